@@ -1,0 +1,252 @@
+"""The plain-torch reference codec: the TaSQ math every kernel and backend is tested against.
+
+Keys (pre-RoPE, native channel order) are mapped into the tailored space
+``x = P M k / s`` (M: query-guided weights, diagonal ``diag(w)`` or, for the ablation, a
+dense ``A^{1/2}``; s: fp16 RMS scale per token shared by all KV heads; P: permutation that
+keeps whole RoPE pairs inside each group of ``g`` channels), split into ``d/g`` groups and
+coded by the nearest codeword of the group's codebook. Decode is folded (paper sec. 4.4):
+``k_perm = s * C~[z]`` already in native units and permuted order, and RoPE can be applied
+there because every group holds whole pairs. Values: plain contiguous groups, no scale.
+
+Inside every key group the layout is rotate-half with half ``g/2``: permuted channel
+``j*g + l`` (``l < g/2``) pairs with ``j*g + l + g/2`` and turns at ``inv_freq[perm[j*g+l]]``.
+
+Shapes: T tokens, H KV heads, d head_dim, G = d/g groups, K codebook size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import TaSQConfig
+from .rope import apply_rope, rotate
+
+
+@dataclass
+class Codebooks:
+    """Runtime tensors of one artifact (all layers).
+
+    k_codebook: [L, H, Gk, Kk, gk] f32 folded decode codewords (native units, permuted order)
+    k_weight:   [L, H, d] f32 diagonal weights w (native order; ones if weighting is off)
+    k_perm:     [L, H, d] int64, permuted channel i holds native channel k_perm[i]
+    v_codebook: [L, H, Gv, Kv, gv] f32
+    inv_freq:   [d/2] f32 RoPE frequencies of the model
+    k_mix:      [L, H, d, d] f32 or None: dense weighting M (ablation); then k_codebook holds
+                tailored codewords and decode applies M^{-1} (k_unmix) after un-permuting.
+    """
+
+    config: TaSQConfig
+    k_codebook: torch.Tensor
+    k_weight: torch.Tensor
+    k_perm: torch.Tensor
+    v_codebook: torch.Tensor
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+    k_mix: Optional[torch.Tensor] = None
+    k_unmix: Optional[torch.Tensor] = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_codebook.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_codebook.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_weight.shape[-1]
+
+    def k_inv_perm(self, layer: int) -> torch.Tensor:
+        return torch.argsort(self.k_perm[layer], dim=-1)
+
+    def tailored_k_codebook(self, layer: int) -> torch.Tensor:
+        """[H, Gk, Kk, gk] codewords in the tailored space (what the encoder searches)."""
+        cb = self.k_codebook[layer]
+        if self.k_mix is not None:
+            return cb
+        H, G, K, g = cb.shape
+        w = torch.gather(self.k_weight[layer], 1, self.k_perm[layer]).view(H, G, 1, g)
+        return cb * w
+
+    def rope_freq_perm(self, layer: int) -> torch.Tensor:
+        """[H, Gk, gk/2] inv_freq of each pair in the permuted in-group layout."""
+        H, G, _, g = self.k_codebook[layer].shape
+        first = self.k_perm[layer].view(H, G, g)[..., : g // 2]
+        return self.inv_freq[first]
+
+
+# ---- nearest codeword ---------------------------------------------------------------------
+def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """x [T, H, G, g], codebook [H, G, K, g] -> codes [T, H, G] int64 (argmin L2, first on ties)."""
+    T = x.shape[0]
+    out = torch.empty(x.shape[:3], dtype=torch.int64)
+    cb = codebook.float()
+    cn = (cb * cb).sum(-1)  # [H, G, K]
+    for s in range(0, T, chunk):
+        xs = x[s : s + chunk].float()
+        dots = torch.einsum("thgc,hgkc->thgk", xs, cb)
+        out[s : s + chunk] = torch.argmin(cn.unsqueeze(0) - 2 * dots, dim=-1)
+    return out
+
+
+# ---- keys ---------------------------------------------------------------------------------
+def key_tailor(k: torch.Tensor, cb: Codebooks, layer: int):
+    """Pre-RoPE keys [T, H, d] -> (tailored x [T, H, G, g] f32, scale [T] or [T, H] fp16 or None)."""
+    cfg = cb.config
+    T, H, d = k.shape
+    k = k.float()
+    if cb.k_mix is not None:
+        kw = torch.einsum("hij,thj->thi", cb.k_mix[layer], k)
+    else:
+        kw = k * cb.k_weight[layer]
+    scale = None
+    if cfg.scale == "shared":
+        scale = kw.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-6).half()  # [T]
+        kw = kw / scale.float()[:, None, None]
+    elif cfg.scale == "per_head":
+        scale = kw.pow(2).mean(dim=2).sqrt().clamp_min(1e-6).half()  # [T, H]
+        kw = kw / scale.float()[:, :, None]
+    perm = cb.k_perm[layer].unsqueeze(0).expand(T, H, d)
+    x = torch.gather(kw, 2, perm)
+    return x.view(T, H, d // cfg.group_size_k, cfg.group_size_k), scale
+
+
+def encode_keys(k: torch.Tensor, cb: Codebooks, layer: int):
+    """Pre-RoPE keys [T, H, d] -> (codes [T, H, Gk] int64, scale fp16 [T] / [T, H] / None)."""
+    x, scale = key_tailor(k, cb, layer)
+    return nearest_codeword(x, cb.tailored_k_codebook(layer)), scale
+
+
+def _gather_codewords(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """codes [T, H, G], codebook [H, G, K, g] -> codewords [T, H, G*g] f32."""
+    T, H, G = codes.shape
+    g = codebook.shape[-1]
+    hh = torch.arange(H).view(1, H, 1)
+    gg = torch.arange(G).view(1, 1, G)
+    return codebook[hh, gg, codes].reshape(T, H, G * g).float()
+
+
+def _apply_scale(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    if scale is None:
+        return x
+    s = scale.float()
+    return x * (s[:, None, None] if s.dim() == 1 else s[:, :, None])
+
+
+def decode_keys_permuted(codes: torch.Tensor, scale, cb: Codebooks, layer: int) -> torch.Tensor:
+    """Folded decode ``s * C~[z]`` -> pre-RoPE keys [T, H, d] in the permuted order.
+
+    Only meaningful with diagonal (or no) weighting; the dense ablation un-mixes in
+    :func:`decode_keys`.
+    """
+    return _apply_scale(_gather_codewords(codes, cb.k_codebook[layer]), scale)
+
+
+def decode_keys(codes: torch.Tensor, scale, cb: Codebooks, layer: int) -> torch.Tensor:
+    """codes [T, H, Gk], scale -> pre-RoPE keys [T, H, d] f32 in native channel order."""
+    xp = decode_keys_permuted(codes, scale, cb, layer)
+    T, H, d = xp.shape
+    inv = cb.k_inv_perm(layer).unsqueeze(0).expand(T, H, d)
+    k = torch.gather(xp, 2, inv)
+    if cb.k_unmix is not None:
+        k = torch.einsum("hij,thj->thi", cb.k_unmix[layer], k)
+    return k
+
+
+def rope_permuted(x: torch.Tensor, positions: torch.Tensor, cb: Codebooks, layer: int,
+                  inverse: bool = False) -> torch.Tensor:
+    """RoPE in the permuted in-group layout: x [T, H, d] permuted, positions [T]."""
+    T, H, d = x.shape
+    g = cb.config.group_size_k
+    freq = cb.rope_freq_perm(layer)  # [H, G, g/2]
+    ang = positions.to(torch.float64).view(T, 1, 1, 1) * freq.to(torch.float64).unsqueeze(0)
+    cos = (torch.cos(ang) * cb.attention_scaling).float()
+    sin = (torch.sin(ang) * cb.attention_scaling).float()
+    return rotate(x.view(T, H, d // g, g), cos, sin, inverse=inverse).reshape(T, H, d)
+
+
+# ---- values -------------------------------------------------------------------------------
+def encode_values(v: torch.Tensor, cb: Codebooks, layer: int) -> torch.Tensor:
+    """Values [T, H, d] -> codes [T, H, Gv] int64 (contiguous groups, no transform)."""
+    T, H, d = v.shape
+    g = cb.config.group_size_v
+    return nearest_codeword(v.float().view(T, H, d // g, g), cb.v_codebook[layer])
+
+
+def decode_values(codes: torch.Tensor, cb: Codebooks, layer: int) -> torch.Tensor:
+    """codes [T, H, Gv] -> values [T, H, d] f32."""
+    return _gather_codewords(codes, cb.v_codebook[layer])
+
+
+# ---- packing ------------------------------------------------------------------------------
+def packed_row_bytes(num_codes: int, bits: int) -> int:
+    return (num_codes * bits + 7) // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [T, n] int (< 2**bits) -> packed [T, ceil(n*bits/8)] uint8.
+
+    Little-endian bit stream per token: code i occupies bits [i*bits, (i+1)*bits) of the
+    row, bit b of the row is bit (b % 8) of byte b // 8.
+    """
+    T, n = codes.shape
+    if codes.numel() and (codes.min() < 0 or codes.max() >= (1 << bits)):
+        raise ValueError(f"codes out of range for {bits}-bit packing")
+    shifts = torch.arange(bits, dtype=torch.int64)
+    bitstream = ((codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(T, n * bits)
+    nbytes = packed_row_bytes(n, bits)
+    pad = nbytes * 8 - n * bits
+    if pad:
+        bitstream = torch.nn.functional.pad(bitstream, (0, pad))
+    weights = (1 << torch.arange(8, dtype=torch.int64))
+    return (bitstream.view(T, nbytes, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """packed [T, nbytes] uint8 -> codes [T, n] int64 (inverse of :func:`pack_codes`)."""
+    T, nbytes = packed.shape
+    if nbytes != packed_row_bytes(n, bits):
+        raise ValueError(f"packed rows have {nbytes} bytes, {n} codes of {bits} bits need {packed_row_bytes(n, bits)}")
+    bitstream = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1).reshape(T, nbytes * 8)
+    bitstream = bitstream[:, : n * bits].view(T, n, bits)
+    return (bitstream << torch.arange(bits, dtype=torch.int64)).sum(-1)
+
+
+# ---- attention over codes -----------------------------------------------------------------
+def attention_over_codes(q: torch.Tensor, q_positions: torch.Tensor, k_codes: torch.Tensor, k_scale,
+                         v_codes: torch.Tensor, kv_positions: torch.Tensor, cb: Codebooks, layer: int,
+                         sm_scale: float, causal: bool = True,
+                         k_full: Optional[torch.Tensor] = None, v_full: Optional[torch.Tensor] = None,
+                         full_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One request's attention over a compressed cache.
+
+    q [Tq, Hq, d] post-RoPE queries at q_positions [Tq]; k_codes [S, H, Gk], v_codes
+    [S, H, Gv], kv_positions [S]. Keys are decoded, rotated by RoPE at their positions, and
+    attended with softmax in fp32 (GQA: query head i reads KV head i // (Hq // H)).
+    Optional full-precision window: k_full [S, H, d] pre-RoPE, v_full [S, H, d], used
+    where full_mask [S] is True. Returns [Tq, Hq, d] f32.
+    """
+    k = decode_keys(k_codes, k_scale, cb, layer)
+    v = decode_values(v_codes, cb, layer)
+    if full_mask is not None:
+        k = torch.where(full_mask[:, None, None], k_full.float(), k)
+        v = torch.where(full_mask[:, None, None], v_full.float(), v)
+    k = apply_rope(k, kv_positions, cb.inv_freq, cb.attention_scaling)
+    return attention_dense(q, q_positions, k, v, kv_positions, sm_scale, causal)
+
+
+def attention_dense(q, q_positions, k, v, kv_positions, sm_scale: float, causal: bool = True):
+    """Plain attention: q [Tq, Hq, d], k/v [S, H, d] post-RoPE -> [Tq, Hq, d] f32."""
+    Hq, H = q.shape[1], k.shape[1]
+    rep = Hq // H
+    k = k.float().repeat_interleave(rep, dim=1)
+    v = v.float().repeat_interleave(rep, dim=1)
+    logits = torch.einsum("qhd,shd->hqs", q.float(), k) * sm_scale
+    if causal:
+        mask = kv_positions.view(1, 1, -1) > q_positions.view(1, -1, 1)
+        logits = logits.masked_fill(mask, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    return torch.einsum("hqs,shd->qhd", p, v)

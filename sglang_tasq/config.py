@@ -1,0 +1,137 @@
+"""TaSQ configuration: one frozen, self-validating dataclass read by calibration, kernels
+and serving, and saved inside every artifact's manifest.
+
+Every calibration stage of the paper (secs. 4.1-4.4) is a switch here, so that the same
+pipeline also produces the baselines: ``TaSQConfig.cq()`` is Coupled Quantization (no
+weighting, no scale, contiguous groups, plain k-means) and ``ablation(name)`` removes one
+component at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+WEIGHTINGS = ("diag", "dense", "none")
+SCALES = ("shared", "per_head", "none")
+GROUPINGS = ("covariance", "contiguous")
+ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "dense_weighting")
+
+
+class ConfigError(ValueError):
+    """A configuration value is outside what TaSQ supports."""
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class TaSQConfig:
+    """Rate, stages and runtime windows of one TaSQ quantizer.
+
+    Keys are quantized pre-RoPE in the tailored space (weights, shared scale, grouping);
+    values with plain contiguous-group VQ. Codes are ``log2(codebook_size)`` bits, packed.
+    """
+
+    group_size_k: int = 8
+    codebook_size_k: int = 1024
+    group_size_v: int = 8
+    codebook_size_v: int = 1024
+    weighting: str = "diag"  # query-guided channel weights (sec. 4.1)
+    scale: str = "shared"  # one fp16 RMS scale per token across KV heads (sec. 4.2)
+    grouping: str = "covariance"  # hierarchical matching over RoPE pairs (sec. 4.3)
+    fisher: bool = True  # Fisher-weighted k-means (sec. 4.4)
+    kmeans_iters: int = 100
+    calib_tokens: int = 131072
+    window_len: int = 2048
+    max_kmeans_samples: int = 131072  # per codebook; calibration subsamples above it
+    weight_floor: float = 1e-3  # floor on diag(A)/mean(diag(A)) before the square root
+    sink_window: int = 64  # full-precision prefix tokens at serving time
+    recent_window: int = 256  # full-precision most recent tokens at serving time
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("group_size_k", "group_size_v"):
+            g = getattr(self, name)
+            if not (_is_pow2(g) and g >= 2):
+                raise ConfigError(f"{name}={g}: must be a power of two >= 2")
+        for name in ("codebook_size_k", "codebook_size_v"):
+            k = getattr(self, name)
+            if not (2 <= k <= 65536):
+                raise ConfigError(f"{name}={k}: must be in [2, 65536]")
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError(f"weighting={self.weighting!r}: allowed {WEIGHTINGS}")
+        if self.scale not in SCALES:
+            raise ConfigError(f"scale={self.scale!r}: allowed {SCALES}")
+        if self.grouping not in GROUPINGS:
+            raise ConfigError(f"grouping={self.grouping!r}: allowed {GROUPINGS}")
+        for name in ("kmeans_iters", "calib_tokens", "window_len", "max_kmeans_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("sink_window", "recent_window"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+
+    # ---- derived ---------------------------------------------------------------------
+    @property
+    def code_bits_k(self) -> int:
+        return max(1, math.ceil(math.log2(self.codebook_size_k)))
+
+    @property
+    def code_bits_v(self) -> int:
+        return max(1, math.ceil(math.log2(self.codebook_size_v)))
+
+    def bits_k(self, num_kv_heads: int, head_dim: int) -> float:
+        """Bits per key element, metadata (the fp16 scale) included."""
+        meta = {"shared": 16 / (num_kv_heads * head_dim), "per_head": 16 / head_dim, "none": 0.0}
+        return self.code_bits_k / self.group_size_k + meta[self.scale]
+
+    def bits_v(self, num_kv_heads: int, head_dim: int) -> float:
+        return self.code_bits_v / self.group_size_v
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Groups must tile the head and the matching rounds must pair units evenly."""
+        for name in ("group_size_k", "group_size_v"):
+            g = getattr(self, name)
+            if head_dim % g:
+                raise ConfigError(f"{name}={g} does not divide head_dim={head_dim}")
+        if (head_dim // 2) % (self.group_size_k // 2):
+            raise ConfigError(f"group_size_k={self.group_size_k} cannot hold whole RoPE pairs of head_dim={head_dim}")
+
+    # ---- presets ---------------------------------------------------------------------
+    @classmethod
+    def cq(cls, **kw) -> "TaSQConfig":
+        """Coupled Quantization at the same rate: contiguous groups, plain k-means."""
+        return cls(weighting="none", scale="none", grouping="contiguous", fisher=False, **kw)
+
+    def ablation(self, name: str) -> "TaSQConfig":
+        """This config with one TaSQ component removed (or swapped, for dense weights)."""
+        change = {
+            "no_weighting": {"weighting": "none"},
+            "no_shared_scale": {"scale": "none"},
+            "no_grouping": {"grouping": "contiguous"},
+            "no_fisher": {"fisher": False},
+            "dense_weighting": {"weighting": "dense"},
+        }
+        if name not in change:
+            raise ConfigError(f"ablation {name!r}: allowed {ABLATIONS}")
+        return dataclasses.replace(self, **change[name])
+
+    @classmethod
+    def fast(cls, **kw) -> "TaSQConfig":
+        """The documented fast preset for demos and CI: fewer tokens and Lloyd iterations."""
+        kw.setdefault("calib_tokens", 16384)
+        kw.setdefault("kmeans_iters", 12)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TaSQConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown config fields {sorted(unknown)}")
+        return cls(**d)

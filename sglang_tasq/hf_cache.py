@@ -1,0 +1,280 @@
+"""A transformers ``Cache`` that stores what the serving pool stores (paper sec. 4.4-4.5):
+packed codes, the fp16 shared scale, and full-precision sink/recent windows.
+
+HF hands ``update`` post-RoPE keys ``[B, H, n, d]``; transformers 5.x passes no cos/sin,
+so positions are the cache indices (one sequence per batch row, no padding). For a
+pre-RoPE method (TaSQ) the keys are turned back with the cos/sin HF used (same float32
+angles, cast to the key dtype), encoded, and decoded keys are rotated again with
+:func:`rope.apply_rope`. Every token is encoded at insertion; a token is read back at full
+precision while it is among the first ``sink`` or the last ``recent`` tokens (or in the
+partial block a block method has not coded yet), and from its codes once it leaves.
+
+Stored state: payloads (codes + scales), per-layer method state, and the fp windows;
+:meth:`QuantizedKVCache.memory_bytes` counts exactly these. Compute cache: a model-dtype
+buffer ``[B, H, T, d]`` holding each token's *attended* value (fp inside the windows,
+decoded-and-rotated outside), so each token is decoded once, when it leaves the window,
+and attention gets a view without per-step decoding. It is not part of the stored bytes.
+
+``fresh_exact=True`` (default, like a serving engine's prefill): the forward call that
+inserts tokens attends to them at full precision; they are read from codes from the next
+call on. ``False``: read from codes at once (fake-quant perplexity in one forward).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from . import codec
+from .baselines import Identity, KVMethod, SideQuantizer
+from .codec import Codebooks
+from .rope import apply_rope, rotate
+
+
+class TaSQKeys:
+    """TaSQ keys (pre-RoPE): payload codes [T, ceil(H*Gk*bits/8)] uint8 (code n = h*Gk + j)
+    and the fp16 scale [T] (shared) or [T, H] (per-head ablation)."""
+
+    pre_rope, block, exact = True, 1, False
+
+    def __init__(self, cb: Codebooks, name: str = "tasq"):
+        self.cb, self.name = cb, name
+        self.inv_freq, self.attention_scaling = cb.inv_freq, cb.attention_scaling
+
+    def encode(self, x, layer, state):
+        codes, scale = codec.encode_keys(x, self.cb, layer)
+        out = {"codes": codec.pack_codes(codes.reshape(x.shape[0], -1), self.cb.config.code_bits_k)}
+        if scale is not None:
+            out["scale"] = scale
+        return out
+
+    def decode(self, payload, layer, state):
+        H, G = self.cb.k_codebook.shape[1:3]
+        T = payload["codes"].shape[0]
+        codes = codec.unpack_codes(payload["codes"], H * G, self.cb.config.code_bits_k).view(T, H, G)
+        return codec.decode_keys(codes, payload.get("scale"), self.cb, layer)
+
+    def bits_per_element(self, num_kv_heads, head_dim):
+        return self.cb.config.bits_k(num_kv_heads, head_dim)
+
+
+class TaSQValues:
+    """TaSQ values: payload codes [T, ceil(H*Gv*bits/8)] uint8 (code n = h*Gv + j)."""
+
+    pre_rope, block, exact = False, 1, False
+
+    def __init__(self, cb: Codebooks, name: str = "tasq"):
+        self.cb, self.name = cb, name
+
+    def encode(self, x, layer, state):
+        codes = codec.encode_values(x, self.cb, layer)
+        return {"codes": codec.pack_codes(codes.reshape(x.shape[0], -1), self.cb.config.code_bits_v)}
+
+    def decode(self, payload, layer, state):
+        H, G = self.cb.v_codebook.shape[1:3]
+        T = payload["codes"].shape[0]
+        codes = codec.unpack_codes(payload["codes"], H * G, self.cb.config.code_bits_v).view(T, H, G)
+        return codec.decode_values(codes, self.cb, layer)
+
+    def bits_per_element(self, num_kv_heads, head_dim):
+        return self.cb.config.bits_v(num_kv_heads, head_dim)
+
+
+def hf_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
+    """cos, sin [T, d/2] float32 exactly as HF's rotary module makes them for ``dtype``."""
+    ang = positions.float()[:, None] * inv_freq.float()[None, :]
+    return ((ang.cos() * scaling).to(dtype).float(), (ang.sin() * scaling).to(dtype).float())
+
+
+def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq, scaling: float = 1.0) -> torch.Tensor:
+    """Post-RoPE keys [T, H, d] (HF, dtype of k) -> pre-RoPE keys [T, H, d] float32."""
+    cos, sin = hf_cos_sin(positions, inv_freq, scaling, k.dtype)
+    return rotate(k.float(), cos[:, None], sin[:, None], inverse=True)
+
+
+class _Payload:
+    """A growing dict of tensors (amortized doubling along dim 0)."""
+
+    def __init__(self):
+        self.t: dict[str, torch.Tensor] = {}
+        self.n = 0
+
+    def append(self, p: dict) -> None:
+        m = next(iter(p.values())).shape[0]
+        for k, v in p.items():
+            buf = self.t.get(k)
+            if buf is None or buf.shape[0] < self.n + m:
+                new = v.new_empty((max(2 * self.n, self.n + m, 16), *v.shape[1:]))
+                if buf is not None:
+                    new[: self.n] = buf[: self.n]
+                self.t[k] = buf = new
+            buf[self.n : self.n + m] = v
+        self.n += m
+
+    def slice(self, a: int, b: int) -> dict:
+        return {k: v[a:b] for k, v in self.t.items()}
+
+    def nbytes(self) -> dict:
+        return {k: v[: self.n].nbytes for k, v in self.t.items()}
+
+
+class _Side:
+    """One side (keys or values) of one layer: payloads per batch row, counters, state."""
+
+    def __init__(self, q: SideQuantizer, batch: int, sink: int):
+        self.q, self.rows = q, [_Payload() for _ in range(batch)]
+        self.coded = 0  # tokens [0, coded) are encoded
+        self.read_upto = sink  # slots [sink, read_upto) hold decoded values
+        self.state: dict = {}
+
+
+class QuantizedKVLayer(DynamicLayer):
+    """One layer. ``keys``/``values`` expose the attended buffer view [B, H, T, d]."""
+
+    is_croppable = False
+
+    def __init__(self, cache: "QuantizedKVCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx, self.length = cache, layer_idx, 0
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        B = key_states.shape[0]
+        m, s = self.cache.method, self.cache.sink
+        self.sides = {"k": _Side(m.keys, B, s), "v": _Side(m.values, B, s)}
+        self._base: dict = {}
+        self.bufs: dict = {}
+        self.is_initialized = True
+
+    def _grow(self, name: str, new: torch.Tensor) -> None:
+        """Append new [B, H, n, d] to the attended buffer (amortized doubling)."""
+        base, T0, n = self._base.get(name), self.length, new.shape[2]
+        if base is None or base.shape[2] < T0 + n:
+            grown = new.new_empty((*new.shape[:2], max(2 * T0, T0 + n, 64), new.shape[3]))
+            if base is not None:
+                grown[:, :, :T0] = base[:, :, :T0]
+            base = self._base[name] = grown
+        base[:, :, T0 : T0 + n] = new
+        self.bufs[name] = base[:, :, : T0 + n]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T0, n = self.length, key_states.shape[2]
+        self._grow("k", key_states)
+        self._grow("v", value_states)
+        self.length = T1 = T0 + n
+        for name, side in self.sides.items():
+            self._encode(name, side, T1)
+            self._read_back(name, side, T1, T0 if self.cache.fresh_exact else T1)
+        self.keys, self.values = self.bufs["k"], self.bufs["v"]
+        return self.keys, self.values
+
+    def _encode(self, name: str, side: _Side, T1: int) -> None:
+        blk = side.q.block
+        a, b = side.coded, (T1 // blk) * blk
+        if b <= a:
+            return
+        pos = torch.arange(a, b, device=self.device)
+        for r, store in enumerate(side.rows):
+            x = self.bufs[name][r, :, a:b].transpose(0, 1)  # [T, H, d] model dtype
+            if name == "k" and side.q.pre_rope:
+                x = unrotate_keys(x, pos, side.q.inv_freq, side.q.attention_scaling)
+            store.append(side.q.encode(x, self.layer_idx, side.state))
+        side.coded = b
+
+    def _read_back(self, name: str, side: _Side, T1: int, bound: int) -> None:
+        """Overwrite slots that left the windows (and are coded) with their decoded value."""
+        if side.q.exact:
+            return
+        a = side.read_upto
+        b = min(side.coded, T1 - self.cache.recent, bound)
+        if b <= a:
+            return
+        blk = side.q.block
+        for r, store in enumerate(side.rows):
+            x = side.q.decode(store.slice(a // blk, -(-b // blk)), self.layer_idx, side.state)
+            x = x[a - (a // blk) * blk :][: b - a]
+            if name == "k" and side.q.pre_rope:
+                pos = torch.arange(a, b, device=self.device)
+                x = apply_rope(x, pos, side.q.inv_freq, side.q.attention_scaling)
+            self.bufs[name][r, :, a:b] = x.transpose(0, 1).to(self.dtype)
+        side.read_upto = b
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def memory_bytes(self, windows: bool = True) -> dict:
+        """Stored bytes of this layer by kind: payload entries, 'state', 'window'."""
+        out: dict = {}
+        if not self.is_initialized:
+            return out
+        T, sink, recent = self.length, self.cache.sink, self.cache.recent
+        per_tok = self.bufs["k"].shape[0] * self.bufs["k"].shape[1] * self.bufs["k"].shape[3] * self.bufs["k"].element_size()
+        for side in self.sides.values():
+            for store in side.rows:
+                for k, v in store.nbytes().items():
+                    out[k] = out.get(k, 0) + v
+            out["state"] = out.get("state", 0) + sum(t.nbytes for t in side.state.values())
+            if windows and not side.q.exact:
+                # fp tokens: sink + recent window + uncoded partial block
+                compressed = max(0, min(side.coded, T - recent) - sink)
+                out["window"] = out.get("window", 0) + (T - compressed) * per_tok
+        return out
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("QuantizedKVLayer does not support crop (no rollback of codes)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("QuantizedKVLayer does not support beam search")
+
+
+class QuantizedKVCache(Cache):
+    """HF cache running any :class:`KVMethod` with full-precision sink/recent windows.
+
+    Example::
+
+        cache = QuantizedKVCache(baseline("kivi2"), sink=0, recent=0)
+        model.generate(ids, past_key_values=cache, max_new_tokens=32)
+        cache.bytes_per_token()
+    """
+
+    def __init__(self, method: KVMethod, sink: int = 64, recent: int = 256, fresh_exact: bool = True):
+        if sink < 0 or recent < 0:
+            raise ValueError(f"windows must be >= 0, got sink={sink} recent={recent}")
+        super().__init__(layers=[])
+        self.method, self.sink, self.recent, self.fresh_exact = method, sink, recent, fresh_exact
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(QuantizedKVLayer(self, len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def memory_breakdown(self, windows: bool = True) -> dict:
+        """Stored bytes over all layers by kind ('codes', 'scale', 'zero', 'x', 'state', 'window')."""
+        out: dict = {}
+        for layer in self.layers:
+            for k, v in layer.memory_bytes(windows).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def memory_bytes(self, windows: bool = True) -> int:
+        """Real stored bytes: payloads (codes + scales) + method state + fp windows."""
+        return sum(self.memory_breakdown(windows).values())
+
+    def bytes_per_token(self, windows: bool = True) -> float:
+        """memory_bytes / cached tokens (all layers, keys + values, per sequence row)."""
+        T = self.get_seq_length()
+        B = self.layers[0].bufs["k"].shape[0] if self.layers and self.layers[0].is_initialized else 1
+        return self.memory_bytes(windows) / max(1, T * B)
+
+
+class TaSQCache(QuantizedKVCache):
+    """TaSQ/CQ/ablation artifact in an HF cache; ``keys=False`` / ``values=False`` keep that
+    side in the model dtype (error-localization rows)."""
+
+    def __init__(self, codebooks: Codebooks, sink: int = 64, recent: int = 256, keys: bool = True,
+                 values: bool = True, fresh_exact: bool = True):
+        method = KVMethod(TaSQKeys(codebooks) if keys else Identity(),
+                          TaSQValues(codebooks) if values else Identity(), "tasq")
+        super().__init__(method, sink, recent, fresh_exact)
+        self.codebooks = codebooks

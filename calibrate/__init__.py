@@ -1,0 +1,1 @@
+"""Calibration: fits TaSQ codebooks for a model and writes one artifact."""

@@ -190,3 +190,58 @@ def decode_attention(q: torch.Tensor, k_codes, v_codes, k_scale, kv_indptr: torc
     red = attention.reduce_kernel(d, False, False)
     _launch(red, (B, Hq), d, _arr(part_acc), _arr(part_ml), _arr(kv_indptr), _arr(dummy[0]), split_len, _arr(out))
     return out
+
+
+def extend_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tensor, qo_indptr: torch.Tensor,
+                     k_codes, v_codes, k_scale, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     tables: LayerTables, sm_scale: float, k_full=None, v_full=None, sink: int = 0,
+                     recent: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal extend: rows q [N, Hq, d] over their compressed prefix plus their own chunk.
+
+    k_chunk/v_chunk [N, H, d] (keys post-RoPE, as SGLang gives them; float32/float16/bf16,
+    same dtype); qo_indptr i32 [B+1]; the prefix of request b (P_b tokens) is
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] with windows over n = P_b. Chunk row i of
+    request b sits at position P_b + i. Reads qo_indptr/kv_indptr on the host (not for
+    graph capture). Returns out [N, Hq, d] f32.
+    """
+    N, Hq, d = q.shape
+    H = tables.num_kv_heads
+    fkind, k_full, v_full = _common(q, tables, k_codes, v_codes, k_scale, kv_indptr, kv_indices,
+                                    k_full, v_full, sink, recent)
+    _check(k_chunk, "k_chunk", (N, H, d))
+    _check(v_chunk, "v_chunk", (N, H, d), k_chunk.dtype)
+    _check(qo_indptr, "qo_indptr", (kv_indptr.numel(),), torch.int32)
+    ckind = _kind(k_chunk, "k_chunk")
+    if out is None:
+        out = torch.empty(N, Hq, d, dtype=torch.float32, device=q.device)
+    _check(out, "out", (N, Hq, d), torch.float32)
+    if N == 0:
+        return out
+    rep, cfg = Hq // H, tables.config
+    QT = max(1, 8 // rep)
+    nt, lmax = attention.plan(rep, QT, cfg.group_size_v, d)
+    qo, kvp = qo_indptr.cpu().tolist(), kv_indptr.cpu().tolist()
+    tiles, row_req = [], []
+    for b in range(len(qo) - 1):
+        row_req += [b] * (qo[b + 1] - qo[b])
+        tiles += [(b, r, min(QT, qo[b + 1] - r)) for r in range(qo[b], qo[b + 1], QT)]
+    max_p = max(kvp[b + 1] - kvp[b] for b in range(len(kvp) - 1))
+    split_len = default_split_len(len(tiles), H, max_p, nt, lmax)
+    ns = math.ceil(max_p / split_len)
+    part_acc = torch.empty(N, Hq, ns + 1, d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(N, Hq, ns + 1, 2, dtype=torch.float32, device=q.device)
+    row_req_t = torch.tensor(row_req, dtype=torch.int32, device=q.device)
+    if ns > 0:
+        qtiles = torch.tensor(tiles, dtype=torch.int32, device=q.device).view(-1, 3)
+        spec = attention.cache_kernel(H, d, cfg.group_size_k, tables.k_cb.shape[2], cfg.code_bits_k,
+                                      cfg.group_size_v, tables.v_cb.shape[2], cfg.code_bits_v, rep, QT, cfg.scale, fkind)
+        _launch(spec, (ns, H, len(tiles)), nt, _arr(_permuted_queries(q, tables)), _arr(k_codes), _arr(v_codes),
+                _arr(_scale_arg(k_scale, tables)), _arr(k_full), _arr(v_full), _arr(kv_indptr), _arr(kv_indices),
+                _arr(qtiles), _arr(tables.k_cb), _arr(tables.v_cb), _arr(tables.rope_freq), _arr(tables.k_perm),
+                split_len, sink, recent, sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
+    spec = extend.chunk_kernel(d, rep, ckind)
+    _launch(spec, (N, H), d, _arr(q.float().contiguous()), _arr(k_chunk), _arr(v_chunk), _arr(row_req_t),
+            _arr(qo_indptr), sm_scale, _arr(part_acc), _arr(part_ml))
+    red = attention.reduce_kernel(d, True, True)
+    _launch(red, (N, Hq), d, _arr(part_acc), _arr(part_ml), _arr(kv_indptr), _arr(row_req_t), split_len, _arr(out))
+    return out

@@ -1,0 +1,108 @@
+"""The 'tasq' SGLang attention backend: extend and decode over the compressed TaSQ pool.
+
+Every forward first stores the new tokens (``TaSQTokenToKVPool.set_kv_buffer``: keys are
+un-rotated to pre-RoPE with ``forward_batch.positions``, encoded, packed), then attends over
+what the pool holds. Design choice for extend (prefill and chunked prefill): the chunk's own
+tokens are read back DECODED after the store, exactly as later decode steps will see them,
+except those inside the full-precision windows; so a token's logits do not depend on how
+the prompt was chunked. RoPE position of a cached token = its index in the request's
+``req_to_token`` row (plain Llama-family models).
+
+CPU path: per request, decode the codes of its ``S`` tokens with the reference codec
+(:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..S-1``, and run fp32 attention
+(queries ``[Tq, Hq, d]`` at positions ``S-Tq..S-1``, causal). CUDA path: the Numba kernels of
+``numba_kernels.ops`` (dispatch point in :meth:`TaSQAttnBackend._attend`).
+"""
+from __future__ import annotations
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from .codec import attention_dense
+from .rope import apply_rope
+
+
+def _cuda_ops():
+    try:
+        from numba_kernels import ops  # noqa: WPS433 (optional GPU kernels)
+    except ImportError as e:
+        raise NotImplementedError(
+            "tasq: the CUDA path needs the Numba kernels in numba_kernels/ops.py, which are not "
+            f"available ({e}); serve on CPU (--device cpu) until they land") from None
+    return ops
+
+
+class TaSQAttnBackend(AttentionBackend):
+    """Attention over packed TaSQ codes; decode/extend share one per-request reader."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.pool = model_runner.token_to_kv_pool
+        from .pool import TaSQTokenToKVPool
+
+        if not isinstance(self.pool, TaSQTokenToKVPool):
+            raise RuntimeError(f"tasq: attention backend 'tasq' needs the TaSQ KV pool, got "
+                               f"{type(self.pool).__name__} (start with --tasq-config PATH)")
+        self.pool.attach_request_rows(self.req_to_token_pool)
+        self.codebooks = self.pool.codebooks
+        self.forward_metadata = None
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch):
+        """Per-token request rows and kv lengths for the window writes; per-request lists on CPU."""
+        fb = forward_batch
+        seq_lens = fb.seq_lens.to(torch.int64)
+        if fb.forward_mode.is_decode():
+            q_lens = torch.ones_like(seq_lens)
+        else:
+            q_lens = fb.extend_seq_lens.to(torch.int64)
+        rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), q_lens)
+        tok_seq = torch.repeat_interleave(seq_lens, q_lens)
+        self.forward_metadata = dict(
+            rows=rows, tok_seq_lens=tok_seq,
+            req_rows=fb.req_pool_indices.tolist(), seq_lens=seq_lens.tolist(), q_lens=q_lens.tolist(),
+        )
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        raise NotImplementedError("tasq: CUDA graphs are not supported; pass --disable-cuda-graph")
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def support_triton(self):
+        return False
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward(self, q, k, v, layer, fb, save_kv_cache):
+        md = self.forward_metadata
+        if save_kv_cache and k is not None and v is not None:
+            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=fb.positions.to(torch.int64),
+                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"])
+        Hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, Hq, d)
+        if q.is_cuda:
+            return _cuda_ops().tasq_attention(q3, layer, fb, self.pool, md).reshape(-1, Hq * layer.v_head_dim)
+        out = torch.empty(q3.shape[0], Hq, layer.v_head_dim, dtype=q.dtype, device=q.device)
+        start = 0
+        for row, S, Tq in zip(md["req_rows"], md["seq_lens"], md["q_lens"]):
+            out[start : start + Tq] = self._attend(q3[start : start + Tq], layer, row, S).to(q.dtype)
+            start += Tq
+        return out.reshape(-1, Hq * layer.v_head_dim)
+
+    def _attend(self, q, layer, row: int, S: int) -> torch.Tensor:
+        """q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1 -> [Tq, Hq, d] f32 over the request's S tokens."""
+        slots = self.req_to_token_pool.req_to_token[row, :S].to(torch.int64)
+        k_pre, v = self.pool.read_request(layer.layer_id, slots, row, S)
+        kv_pos = torch.arange(S, device=q.device)
+        cb = self.codebooks
+        k = apply_rope(k_pre, kv_pos, cb.inv_freq, cb.attention_scaling)
+        q_pos = kv_pos[S - q.shape[0]:]
+        return attention_dense(q, q_pos, k, v, kv_pos, layer.scaling, causal=True)

@@ -1,0 +1,159 @@
+"""SGLang plugin entry point (``sglang.srt.plugins: tasq = sglang_tasq.plugin:load``).
+
+``load()`` runs in every SGLang process (launcher, Engine, schedulers, detokenizer). It:
+
+- registers the attention backend ``tasq`` (registry + ``--attention-backend`` choices);
+- adds ``--tasq-config PATH`` to SGLang's parser (``--help``) and, around
+  ``prepare_server_args``, strips it, exports the path as ``SGLANG_TASQ_CONFIG`` (inherited by
+  the spawned processes), selects the ``tasq`` backend, and validates everything
+  (:mod:`sglang_tasq.launch`) before any weights load: a refusal is one stderr line, exit 2;
+- before ``ServerArgs.resolve_once`` (every launcher, ``sglang.Engine`` included) runs the same
+  validation (raising :class:`launch.TaSQLaunchError`) and selects the backend if unset;
+- returns :class:`pool.TaSQTokenToKVPool` from the platform's ``get_kv_pool_cls(kind="mha")``;
+- reports TaSQ's true bytes per token to ``DefaultPoolConfigurator`` (so
+  ``max_total_num_tokens`` grows by the compression ratio) and charges the window rings as
+  fixed overhead.
+
+Without the config (env var unset) every hook passes straight through.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import launch
+
+logger = logging.getLogger("sglang_tasq")
+_loaded = False
+DEFAULT_WINDOW_ROWS = 64  # request rows charged for window rings when --max-running-requests is unset
+
+
+def _register_backend() -> None:
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if launch.BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([launch.BACKEND_NAME])
+
+    def create_tasq_backend(runner):
+        from .backend import TaSQAttnBackend
+
+        return TaSQAttnBackend(runner)
+
+    ATTENTION_BACKENDS[launch.BACKEND_NAME] = create_tasq_backend
+
+
+# ---- CLI -------------------------------------------------------------------------------------
+def _after_add_cli_args(result, parser, *args, **kwargs):
+    if any("--tasq-config" in a.option_strings for a in parser._actions):
+        return None
+    parser.add_argument("--tasq-config", type=str, default=None, metavar="PATH",
+                        help="TaSQ artifact (tasq.json from calibration): serve with the ~1.25-bit VQ "
+                             "KV cache. Selects --attention-backend tasq.")
+    return None
+
+
+def split_tasq_flag(argv: list) -> tuple[list, str | None]:
+    """Remove ``--tasq-config PATH`` / ``--tasq-config=PATH`` from argv; return (argv, path)."""
+    out, path, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--tasq-config":
+            if i + 1 >= len(argv):
+                launch.refuse(launch.TaSQLaunchError("tasq: --tasq-config needs a PATH"))
+            path, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--tasq-config="):
+            path, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    return out, path
+
+
+def _around_prepare_server_args(original, argv, *args, **kwargs):
+    argv, path = split_tasq_flag(list(argv))
+    if path is not None:
+        os.environ[launch.ENV_CONFIG] = os.path.abspath(path)
+        if not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in argv):
+            argv += ["--attention-backend", launch.BACKEND_NAME]
+    try:
+        return original(argv, *args, **kwargs)
+    except launch.TaSQLaunchError as e:
+        launch.refuse(e)
+
+
+def _before_resolve(server_args, *args, **kwargs):
+    if getattr(server_args, "_resolution_finished", False):
+        return None
+    if not launch.active():
+        if getattr(server_args, "attention_backend", None) == launch.BACKEND_NAME:
+            raise launch.TaSQLaunchError(f"tasq: --attention-backend tasq needs --tasq-config PATH "
+                                         f"(or {launch.ENV_CONFIG})")
+        return None
+    launch.validate(server_args)
+    if getattr(server_args, "attention_backend", None) is None:
+        server_args.attention_backend = launch.BACKEND_NAME
+    return None
+
+
+def _around_engine_init(original, self, *args, **kwargs):
+    path = kwargs.pop("tasq_config", None)
+    if path is not None:
+        os.environ[launch.ENV_CONFIG] = os.path.abspath(str(path))
+    if launch.active() and "server_args" not in kwargs and kwargs.get("attention_backend") is None:
+        kwargs["attention_backend"] = launch.BACKEND_NAME
+    return original(self, *args, **kwargs)
+
+
+# ---- pool --------------------------------------------------------------------------------------
+def _around_get_kv_pool_cls(original, self, *args, kind=None, **kwargs):
+    if launch.active() and kind == "mha":
+        from .pool import TaSQTokenToKVPool
+
+        return TaSQTokenToKVPool
+    return original(self, *args, kind=kind, **kwargs)
+
+
+def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
+    if not launch.active():
+        return original(self, kvc, num_layers, *args, **kwargs)
+    from .pool import bytes_per_token
+
+    art = launch.runtime_artifact()
+    fp = art.model
+    return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers))
+
+
+def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
+    if not launch.active():
+        return None
+    from .pool import window_bytes
+
+    art = launch.runtime_artifact()
+    fp = art.model
+    rows = getattr(kvc.server_args, "max_running_requests", None) or DEFAULT_WINDOW_ROWS
+    extra = window_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, rows + 1)
+    self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra
+    return None
+
+
+def load() -> None:
+    """Plugin entry point: register the backend, the flag and the (pass-through) hooks."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _register_backend()
+    reg = HookRegistry.register
+    reg("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    reg("sglang.srt.server_args.prepare_server_args", _around_prepare_server_args, HookType.AROUND)
+    reg("sglang.srt.server_args.ServerArgs.resolve_once", _before_resolve, HookType.BEFORE)
+    reg("sglang.srt.entrypoints.engine.Engine.__init__", _around_engine_init, HookType.AROUND)
+    reg("sglang.srt.platforms.interface.SRTPlatform.get_kv_pool_cls", _around_get_kv_pool_cls, HookType.AROUND)
+    reg("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        _around_cell_size, HookType.AROUND)
+    reg("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
+        _after_pool_configurator_init, HookType.AFTER)

@@ -1,0 +1,194 @@
+"""TaSQ KV pool for SGLang: packed VQ codes per token slot plus per-request full-precision windows.
+
+Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding writes):
+
+- ``k_buffer[l]``: uint8 ``[rows, Bk + Bs]``: the packed key codes of all heads (code
+  ``n = h*Gk + j``, :func:`codec.pack_codes` layout) followed by the fp16 shared scale
+  (``Bs = 2``; ``2*H`` for per-head scales, 0 without).
+- ``v_buffer[l]``: uint8 ``[rows, Bv]``: the packed value codes.
+
+SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 768 in bf16.
+
+Full-precision windows (sink = first ``sink_window`` positions, recent = last
+``recent_window`` positions) live in a per-request ring indexed by ``req_pool_idx``:
+``win_k[l]``, ``win_v[l]``: bf16 ``[R + 1, W, H, d]`` (pre-RoPE keys), ``W = sink + recent``,
+with ``win_pos[R + 1, W]`` holding the position each entry stores (-1 = empty). Position
+``p`` lives at ring index ``p`` (sink) or ``sink + p % recent`` (recent). A ring row is
+cleared whenever SGLang hands the row to a new request, so only tokens the request wrote
+itself are read in full precision; tokens of a prefix shared through the radix cache are
+read from their codes (codes are per slot, so sharing, chunked prefill, retraction and
+aborts need nothing else). The rings are a fixed cost per request row, charged to the
+memory budget by the plugin's pool-sizing hook (:func:`window_bytes`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from . import codec
+from .launch import runtime_artifact
+from .rope import apply_rope
+
+
+def scale_bytes(cfg, num_kv_heads: int) -> int:
+    return {"shared": 2, "per_head": 2 * num_kv_heads, "none": 0}[cfg.scale]
+
+
+def row_bytes(cfg, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(key row bytes incl. scale, value row bytes) per token per layer."""
+    gk, gv = head_dim // cfg.group_size_k, head_dim // cfg.group_size_v
+    kb = codec.packed_row_bytes(num_kv_heads * gk, cfg.code_bits_k) + scale_bytes(cfg, num_kv_heads)
+    vb = codec.packed_row_bytes(num_kv_heads * gv, cfg.code_bits_v)
+    return kb, vb
+
+
+def bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
+    """The pool's true cost per token slot over all layers (codes + scale)."""
+    kb, vb = row_bytes(cfg, num_kv_heads, head_dim)
+    return (kb + vb) * num_layers
+
+
+def window_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, req_rows: int) -> int:
+    """Bytes of the bf16 window rings (keys + values + positions) for ``req_rows`` rows."""
+    W = cfg.sink_window + cfg.recent_window
+    return req_rows * W * (2 * num_kv_heads * head_dim * 2 * num_layers + 8)
+
+
+class TaSQTokenToKVPool(MHATokenToKVPool):
+    """MHATokenToKVPool whose per-slot storage is packed TaSQ codes (see module docstring)."""
+
+    def _create_buffers(self):
+        art = runtime_artifact()
+        self.codebooks = art.codebooks
+        self.tasq_config = cfg = art.config
+        H, d = self.head_num, self.head_dim
+        self.gk, self.gv = d // cfg.group_size_k, d // cfg.group_size_v
+        self.code_bytes_k = codec.packed_row_bytes(H * self.gk, cfg.code_bits_k)
+        self.scale_bytes = scale_bytes(cfg, H)
+        self.code_bytes_v = codec.packed_row_bytes(H * self.gv, cfg.code_bits_v)
+        self.store_dtype = torch.uint8
+        rows = self.size + self.page_size
+        for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
+                     "dq_k_buffer", "dq_v_buffer"):
+            setattr(self, name, None)
+        with self.memory_saver_adapter.region("kv_cache"):
+            self.k_buffer = [torch.zeros(rows, self.code_bytes_k + self.scale_bytes, dtype=torch.uint8, device=self.device)
+                             for _ in range(self.layer_num)]
+            self.v_buffer = [torch.zeros(rows, self.code_bytes_v, dtype=torch.uint8, device=self.device)
+                             for _ in range(self.layer_num)]
+        self.window = cfg.sink_window + cfg.recent_window
+        self.win_k: Optional[list] = None
+        self.win_v: Optional[list] = None
+        self.win_pos: Optional[torch.Tensor] = None
+        self._cb_cache: dict = {}
+        self._kv_buffer_descs = self._build_kv_buffer_descs()
+        self._init_data_ptrs_and_strides()
+
+    # ---- windows ---------------------------------------------------------------------------
+    def attach_request_rows(self, req_to_token_pool) -> None:
+        """Allocate the window rings for every request row and clear a row on reuse."""
+        if self.window == 0 or self.win_k is not None:
+            return
+        R1 = req_to_token_pool.req_to_token.shape[0]
+        H, d = self.head_num, self.head_dim
+        self.win_k = [torch.zeros(R1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
+                      for _ in range(self.layer_num)]
+        self.win_v = [torch.zeros(R1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
+                      for _ in range(self.layer_num)]
+        self.win_pos = torch.full((R1, self.window), -1, dtype=torch.int64, device=self.device)
+        previous = req_to_token_pool._on_alloc_rows
+
+        def on_alloc_rows(rows):
+            self.win_pos[torch.as_tensor(rows, dtype=torch.long, device=self.device)] = -1
+            if previous is not None:
+                previous(rows)
+
+        req_to_token_pool._on_alloc_rows = on_alloc_rows
+
+    def window_index(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] -> ring index [T] (valid for sink and recent positions)."""
+        sink, recent = self.tasq_config.sink_window, self.tasq_config.recent_window
+        if recent == 0:
+            return positions.clamp(max=max(sink - 1, 0))
+        return torch.where(positions < sink, positions, sink + positions % recent)
+
+    def in_window(self, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """[T] bool: positions inside the sink or the last ``recent`` positions of ``seq_len``."""
+        cfg = self.tasq_config
+        return (positions < cfg.sink_window) | (positions >= seq_len - cfg.recent_window)
+
+    # ---- writes ----------------------------------------------------------------------------
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, positions=None, req_rows=None,
+                      seq_lens=None, **kwargs):
+        """Encode and store one layer's new tokens.
+
+        cache_k: [T, H*d] or [T, H, d] POST-RoPE keys; cache_v likewise; positions [T] int
+        (required: keys are un-rotated before encoding); req_rows [T] request row of each
+        token and seq_lens [T] the request's kv length after this forward (for the windows).
+        """
+        if positions is None:
+            raise NotImplementedError("TaSQTokenToKVPool.set_kv_buffer needs positions= (keys arrive "
+                                      "post-RoPE); write through the 'tasq' attention backend")
+        loc, _, _ = unwrap_write_loc(loc)
+        lid = layer.layer_id - self.start_layer
+        T, H, d = loc.shape[0], self.head_num, self.head_dim
+        cb = self.codebooks
+        k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
+        v = cache_v.reshape(T, H, d)
+        k_codes, k_scale = codec.encode_keys(k_pre, cb, layer.layer_id)
+        v_codes = codec.encode_values(v, cb, layer.layer_id)
+        krow = codec.pack_codes(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
+        if k_scale is not None:
+            krow = torch.cat([krow, k_scale.reshape(T, -1).contiguous().view(torch.uint8)], dim=1)
+        self.k_buffer[lid][loc] = krow.to(self.device)
+        self.v_buffer[lid][loc] = codec.pack_codes(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v).to(self.device)
+        if self.win_k is not None and req_rows is not None:
+            keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
+            if bool(keep.any()):
+                rows, pos = req_rows[keep], positions[keep]
+                idx = self.window_index(pos)
+                self.win_k[lid][rows, idx] = k_pre[keep].to(torch.bfloat16)
+                self.win_v[lid][rows, idx] = v[keep].to(torch.bfloat16)
+                if lid == 0:
+                    self.win_pos[rows, idx] = pos
+
+    def _keep_mask(self, positions, seq_lens):
+        cfg = self.tasq_config
+        return (positions < cfg.sink_window) | (positions >= seq_lens - cfg.recent_window)
+
+    # ---- reads -----------------------------------------------------------------------------
+    def read_request(self, layer_id: int, slots: torch.Tensor, req_row: int, seq_len: int):
+        """One request's cache: slots [S] (positions 0..S-1) -> pre-RoPE keys, values [S, H, d] f32.
+
+        Codes are decoded with the reference codec; entries held in the request's window ring
+        (and inside the window of ``seq_len``) replace them in full precision.
+        """
+        lid = layer_id - self.start_layer
+        S, H, d = slots.shape[0], self.head_num, self.head_dim
+        cfg, cb = self.tasq_config, self.codebooks
+        krow = self.k_buffer[lid][slots]
+        k_codes = codec.unpack_codes(krow[:, : self.code_bytes_k], H * self.gk, cfg.code_bits_k).view(S, H, self.gk)
+        scale = None
+        if self.scale_bytes:
+            scale = krow[:, self.code_bytes_k:].contiguous().view(torch.float16)
+            scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
+        v_codes = codec.unpack_codes(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
+        k = codec.decode_keys(k_codes, scale, cb, layer_id)
+        v = codec.decode_values(v_codes, cb, layer_id)
+        if self.win_k is not None:
+            pos = torch.arange(S, device=slots.device)
+            idx = self.window_index(pos)
+            valid = self.in_window(pos, seq_len) & (self.win_pos[req_row, idx] == pos)
+            if bool(valid.any()):
+                k[valid] = self.win_k[lid][req_row, idx[valid]].float()
+                v[valid] = self.win_v[lid][req_row, idx[valid]].float()
+        return k, v
+
+    def get_kv_size_bytes(self):
+        k, v = super().get_kv_size_bytes()
+        if self.win_k is not None:
+            k += sum(t.numel() * t.element_size() for t in self.win_k) + self.win_pos.numel() * 8
+            v += sum(t.numel() * t.element_size() for t in self.win_v)
+        return k, v

@@ -32,7 +32,7 @@ from .encode import KernelSpec
 
 F16 = cuda.types.float16
 SHARED_CB_HALVES = 8192  # fp16 codebook staged per group (16 KB); larger codebooks read global
-SHARED_BUDGET = 40 * 1024  # bytes for logits + reduction + query rows
+SHARED_BUDGET = 31 * 1024  # bytes for logits + reduction + query rows (+16 KB codebook < 48 KB)
 
 
 def plan(rep: int, QT: int, gv: int, d: int) -> tuple[int, int]:
@@ -49,13 +49,13 @@ def plan(rep: int, QT: int, gv: int, d: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int, vbits: int, rep: int, QT: int,
-                 scale_mode: str, full_kind: str) -> KernelSpec:
+                 scale_mode: str, full_kind: str, tiled: bool = False) -> KernelSpec:
     """Grid (num_splits, H, num_tiles), block NT (see :func:`plan`).
 
     qp f32 [NQ, Hq, d] (each KV head's rows in its permuted order), k_codes u8 [S, kb],
     v_codes u8 [S, vb], k_scale fp16 [S] / [S, H] / [1], k_full/v_full [S, H, d] (full_kind),
     kv_indptr i32 [B+1], kv_indices i32, qtiles i32 [tiles, 3] (request, first row, rows;
-    ignored when QT == 1: tile = request = row), k_cb fp16 [H, Gk, Kk, gk], v_cb fp16
+    read when ``tiled``, else tile = request = row and QT must be 1), k_cb fp16 [H, Gk, Kk, gk], v_cb fp16
     [H, Gv, Kv, gv], freq f32 [H, Gk, gk/2], perm i32 [H, d], split_len, sink, recent,
     logit_scale -> part_acc f32 [NQ, Hq, NS, d], part_ml f32 [NQ, Hq, NS, 2].
     """
@@ -68,9 +68,12 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
     stage_v = Kv * gv <= SHARED_CB_HALVES
     CBK = Kk * gk if stage_k else 1
     CBV = Kv * gv if stage_v else 1
+    CB = max(CBK, CBV)
     use_scale = scale_mode != "none"
     per_head = scale_mode == "per_head"
     RED = NT * (O + 1)
+    QS = R * d
+    LG = LMAX * R
     fNT = float32(NT)
     ninf = float32(-math.inf)
 
@@ -80,7 +83,7 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
         h = cuda.blockIdx.y
         tile = cuda.blockIdx.z
         tid = cuda.threadIdx.x
-        if QT == 1:
+        if not tiled:
             req = tile
             row0 = tile
             nrows = 1
@@ -96,11 +99,11 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
         t1 = min(n, t0 + split_len)
         cnt = t1 - t0
         win_hi = n - recent
-        qs = cuda.shared.array(R * d, float32)
-        lg = cuda.shared.array(LMAX * R, float32)
+        qs = cuda.shared.array(QS, float32)
+        lg = cuda.shared.array(LG, float32)
         red = cuda.shared.array(RED, float32)
-        cbk = cuda.shared.array(CBK, F16)
-        cbv = cuda.shared.array(CBV, F16)
+        cbk = cuda.shared.array(CB, F16)  # key codebook, then value codebook
+        cbv = cbk
         stat = cuda.shared.array(R, float32)
         x = cuda.local.array(gk, float32)
         cc = cuda.local.array(HALF, float32)
@@ -241,7 +244,7 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
            f"int32[::1], int32[::1], int32[:, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], "
            f"float32[:, :, ::1], int32[:, ::1], int32, int32, int32, float32, "
            f"float32[:, :, :, ::1], float32[:, :, :, ::1])")
-    name = f"cache_attn_d{d}_rep{rep}_qt{QT}_K{Kk}x{gk}_V{Kv}x{gv}_{scale_mode}_{full_kind}"
+    name = f"cache_attn_d{d}_rep{rep}_qt{QT}{'t' if tiled else ''}_K{Kk}x{gk}_V{Kv}x{gv}_{scale_mode}_{full_kind}"
     return KernelSpec(name, kern, sig)
 
 

@@ -28,6 +28,8 @@ def chunk_kernel(d: int, rep: int, kind: str) -> KernelSpec:
     at split NS - 1.
     """
     NT = d
+    QS = rep * d
+    LG = NT * rep
     ld = loader(kind)
     ninf = float32(-math.inf)
 
@@ -37,8 +39,8 @@ def chunk_kernel(d: int, rep: int, kind: str) -> KernelSpec:
         tid = cuda.threadIdx.x
         NS = part_ml.shape[2]
         q0 = qo_indptr[row_req[i]]
-        qs = cuda.shared.array(rep * d, float32)
-        lg = cuda.shared.array(NT * rep, float32)
+        qs = cuda.shared.array(QS, float32)
+        lg = cuda.shared.array(LG, float32)
         m = cuda.local.array(rep, float32)
         den = cuda.local.array(rep, float32)
         acc = cuda.local.array(rep, float32)

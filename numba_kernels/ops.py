@@ -195,7 +195,8 @@ def decode_attention(q: torch.Tensor, k_codes, v_codes, k_scale, kv_indptr: torc
 def extend_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tensor, qo_indptr: torch.Tensor,
                      k_codes, v_codes, k_scale, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      tables: LayerTables, sm_scale: float, k_full=None, v_full=None, sink: int = 0,
-                     recent: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     recent: int = 0, out: Optional[torch.Tensor] = None,
+                     split_len: Optional[int] = None) -> torch.Tensor:
     """Causal extend: rows q [N, Hq, d] over their compressed prefix plus their own chunk.
 
     k_chunk/v_chunk [N, H, d] (keys post-RoPE, as SGLang gives them; float32/float16/bf16,
@@ -226,7 +227,9 @@ def extend_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tens
         row_req += [b] * (qo[b + 1] - qo[b])
         tiles += [(b, r, min(QT, qo[b + 1] - r)) for r in range(qo[b], qo[b + 1], QT)]
     max_p = max(kvp[b + 1] - kvp[b] for b in range(len(kvp) - 1))
-    split_len = default_split_len(len(tiles), H, max_p, nt, lmax)
+    split_len = split_len or default_split_len(len(tiles), H, max_p, nt, lmax)
+    if not (1 <= split_len <= lmax):
+        raise ValueError(f"split_len={split_len}: allowed 1..{lmax}")
     ns = math.ceil(max_p / split_len)
     part_acc = torch.empty(N, Hq, ns + 1, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(N, Hq, ns + 1, 2, dtype=torch.float32, device=q.device)
@@ -234,7 +237,8 @@ def extend_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tens
     if ns > 0:
         qtiles = torch.tensor(tiles, dtype=torch.int32, device=q.device).view(-1, 3)
         spec = attention.cache_kernel(H, d, cfg.group_size_k, tables.k_cb.shape[2], cfg.code_bits_k,
-                                      cfg.group_size_v, tables.v_cb.shape[2], cfg.code_bits_v, rep, QT, cfg.scale, fkind)
+                                      cfg.group_size_v, tables.v_cb.shape[2], cfg.code_bits_v, rep, QT, cfg.scale, fkind,
+                                      tiled=True)
         _launch(spec, (ns, H, len(tiles)), nt, _arr(_permuted_queries(q, tables)), _arr(k_codes), _arr(v_codes),
                 _arr(_scale_arg(k_scale, tables)), _arr(k_full), _arr(v_full), _arr(kv_indptr), _arr(kv_indices),
                 _arr(qtiles), _arr(tables.k_cb), _arr(tables.v_cb), _arr(tables.rope_freq), _arr(tables.k_perm),

@@ -39,8 +39,8 @@ def _request_cache(tables, cb, slots, k_codes, v_codes, k_scale):
     """Unpacked codes [n, H, G] and scales of the cached tokens at ``slots``."""
     cfg, H = tables.config, tables.num_kv_heads
     n = slots.numel()
-    kc = codec.unpack_codes(k_codes[slots].cpu(), H * tables.k_groups, cfg.code_bits_k).view(n, H, -1)
-    vc = codec.unpack_codes(v_codes[slots].cpu(), H * tables.v_groups, cfg.code_bits_v).view(n, H, -1)
+    kc = codec.unpack_codes(k_codes[slots].cpu(), H * tables.k_groups, cfg.code_bits_k).view(n, H, tables.k_groups)
+    vc = codec.unpack_codes(v_codes[slots].cpu(), H * tables.v_groups, cfg.code_bits_v).view(n, H, tables.v_groups)
     scale = None if cfg.scale == "none" else k_scale[slots].cpu()
     return kc, vc, scale
 

@@ -1,0 +1,51 @@
+"""Numba kernels vs the plain-torch references, in the CUDA simulator (no GPU needed).
+
+The simulator must be switched on before numba is first imported, and other test modules
+import numba for real, so the cases run in child processes (``python -m
+numba_kernels.sim_cases GROUP``), two at a time. Each child prints one JSON line per case.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCHES = (("encode", "rope", "extend"), ("decode",))
+GROUPS = [g for batch in BATCHES for g in batch]
+
+
+@pytest.fixture(scope="module")
+def sim_results():
+    pytest.importorskip("numba")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "numba_kernels.sim_cases", *batch], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for batch in BATCHES]
+    results, errors = {}, []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        for line in out.splitlines():
+            if line.startswith("{"):
+                res = json.loads(line)
+                results[res["case"]] = res
+        if p.returncode not in (0, 1):
+            errors.append(err[-3000:])
+    return results, errors
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_kernels_match_reference_in_simulator(sim_results, group):
+    results, errors = sim_results
+    assert not errors, "simulator child crashed:\n" + "\n".join(errors)
+    mine = {k: v for k, v in results.items() if k.startswith({"encode": "enc_", "decode": "dec_",
+                                                              "extend": "ext_", "rope": "rope_"}[group])}
+    assert mine, f"no {group} cases ran"
+    bad = {k: v.get("error", "") + "\n" + v.get("trace", "") for k, v in mine.items() if not v["ok"]}
+    for k, v in sorted(mine.items()):
+        print(f"{k}: ok={v['ok']} secs={v['secs']} " + " ".join(f"{a}={b}" for a, b in v.items()
+                                                                 if a in ("err", "near_ties")))
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())

@@ -26,6 +26,7 @@ from .devfns import KINDS, loader
 
 NT = 128  # threads per block
 STAGE_FLOATS = 4096  # f32 codebook floats staged per chunk (16 KB)
+NRM = STAGE_FLOATS // 2  # norms of a chunk (g >= 2)
 SCALE_MODES = ("shared", "per_head", "none")
 
 
@@ -87,7 +88,7 @@ def scale_kernel(H: int, d: int, kind: str, per_head: bool, loc_type: str) -> Ke
 
     sc = "float16[:, ::1]" if per_head else "float16[::1]"
     sig = f"void({KINDS[kind]}[:, :, ::1], float32[:, ::1], {loc_type}[::1], {sc})"
-    return KernelSpec(f"scale_{kind}_{'head' if per_head else 'shared'}", kern, sig)
+    return KernelSpec(f"scale_d{d}_{kind}_{'head' if per_head else 'shared'}", kern, sig)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +114,7 @@ def argmin_kernel(H: int, d: int, g: int, K: int, kind: str, is_key: bool, scale
         tid = cuda.threadIdx.x
         t = cuda.blockIdx.y * NT + tid
         cbs = cuda.shared.array(STAGE_FLOATS, float32)
-        nrm = cuda.shared.array(STAGE_FLOATS // 2, float32)
+        nrm = cuda.shared.array(NRM, float32)
         x = cuda.local.array(g, float32)
         valid = t < T
         if valid:
@@ -154,7 +155,7 @@ def argmin_kernel(H: int, d: int, g: int, K: int, kind: str, is_key: bool, scale
 
     sig = (f"void({KINDS[kind]}[:, :, ::1], float32[:, ::1], int32[:, ::1], {loc_type}[::1], "
            f"{_scale_sig(scale_mode)}, float32[:, :, :, ::1], float32[:, :, ::1], int32[:, ::1])")
-    return KernelSpec(f"argmin_{'k' if is_key else 'v'}_{kind}_g{g}_K{K}", kern, sig)
+    return KernelSpec(f"argmin_{'k' if is_key else 'v'}_d{d}_{kind}_g{g}_K{K}_{scale_mode}", kern, sig)
 
 
 @functools.lru_cache(maxsize=None)

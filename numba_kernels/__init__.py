@@ -1,7 +1,10 @@
 """Numba CUDA kernels of TaSQ: encode into a packed pool, split-K decode and extend attention.
 
-Public API (launch wrappers, in :mod:`.ops`): ``encode_kv``, ``decode_attention``,
-``extend_attention``; per-layer inputs in :class:`.tables.LayerTables`; plain-torch
-references with the same signatures in :mod:`.reference`. Importing this package does not
-import numba; ``.ops`` does.
+Modules: ``tables`` (one layer's kernel-ready codebooks, :class:`LayerTables`), ``devfns``
+(device helpers; GPU vs simulator twins), ``encode`` (scale, nearest codeword, packing),
+``attention`` (group-major split-K attention over the compressed cache + split reduction),
+``extend`` (causal chunk part of prefill), ``ops`` (launch wrappers: ``encode_kv``,
+``decode_attention``, ``extend_attention``), ``reference`` (plain-torch twins built on
+sglang_tasq.codec), ``sim_cases`` / ``ptx_report`` (test drivers run in child processes).
+Importing this package does not import numba; ``ops`` does.
 """

@@ -49,3 +49,34 @@ def test_kernels_match_reference_in_simulator(sim_results, group):
         print(f"{k}: ok={v['ok']} secs={v['secs']} " + " ".join(f"{a}={b}" for a, b in v.items()
                                                                  if a in ("err", "near_ties")))
     assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
+
+
+def test_wrappers_reject_bad_inputs():
+    """The launch wrappers name the bad value before any kernel runs (no GPU, no simulator needed)."""
+    pytest.importorskip("numba")
+    import torch
+
+    from numba_kernels import ops
+    from numba_kernels.tables import LayerTables
+    from sglang_tasq.config import TaSQConfig
+    from sglang_tasq.testing import random_codebooks
+
+    tb = LayerTables.from_codebooks(random_codebooks(1, 2, 16, TaSQConfig(codebook_size_k=64, codebook_size_v=64)), 0)
+    pool = tb.allocate_pool(8)
+    q = torch.randn(1, 4, 16)
+    ptr, idx = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    args = (pool["k_codes"], pool["v_codes"], pool["k_scale"])
+    with pytest.raises(TypeError, match="kv_indptr"):
+        ops.decode_attention(q, *args, ptr.long(), idx, tb, 0.25)
+    with pytest.raises(ValueError, match="k_full"):
+        ops.decode_attention(q, *args, ptr, idx, tb, 0.25, sink=1)
+    with pytest.raises(ValueError, match="k_codes"):
+        ops.decode_attention(q, pool["k_codes"][:, :-1].contiguous(), *args[1:], ptr, idx, tb, 0.25)
+    with pytest.raises(ValueError, match="q: shape"):
+        ops.decode_attention(torch.randn(1, 3, 16), *args, ptr, idx, tb, 0.25)
+    with pytest.raises(TypeError, match="loc"):
+        ops.encode_kv(torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.int16), tb, *args)
+    with pytest.raises(ValueError, match="dense key weighting"):
+        cb = random_codebooks(1, 2, 16, TaSQConfig(codebook_size_k=64, codebook_size_v=64))
+        cb.k_mix = torch.eye(16).expand(1, 2, 16, 16)
+        LayerTables.from_codebooks(cb, 0)

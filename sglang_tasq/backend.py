@@ -1,16 +1,18 @@
 """The 'tasq' SGLang attention backend: extend and decode over the compressed TaSQ pool.
 
 Every forward first stores the new tokens (``TaSQTokenToKVPool.set_kv_buffer``: keys are
-un-rotated to pre-RoPE with ``forward_batch.positions``, encoded, packed), then attends over
-what the pool holds. Design choice for extend (prefill and chunked prefill): the chunk's own
-tokens are read back DECODED after the store, exactly as later decode steps will see them,
-except those inside the full-precision windows; so a token's logits do not depend on how
-the prompt was chunked. RoPE position of a cached token = its index in the request's
-``req_to_token`` row (plain Llama-family models).
+un-rotated to pre-RoPE with ``forward_batch.positions``, encoded, packed), then attends.
+Design choice for extend (prefill and chunked prefill), as a fused kernel would do it and as
+the HF reference cache does (``fresh_exact``): the chunk's own tokens are attended with their
+EXACT k/v; the prefix (earlier chunks, radix-cached tokens) is read from the pool: decoded
+codes, or the request's full-precision window entries. Decode reads everything from the pool
+(the new token is in the recent window). RoPE position of a cached token = its index in the
+request's ``req_to_token`` row (plain Llama-family models).
 
-CPU path: per request, decode the codes of its ``S`` tokens with the reference codec
-(:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..S-1``, and run fp32 attention
-(queries ``[Tq, Hq, d]`` at positions ``S-Tq..S-1``, causal). CUDA path: the Numba kernels of
+CPU path: per request, decode the codes of its ``P = S - Tq`` prefix tokens with the
+reference codec (:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..P-1``, append the
+chunk's post-RoPE keys and values, and run fp32 causal attention (queries ``[Tq, Hq, d]`` at
+positions ``P..S-1``). CUDA path: the Numba kernels of
 ``numba_kernels.ops`` (dispatch point in :meth:`TaSQAttnBackend._attend`).
 """
 from __future__ import annotations
@@ -90,19 +92,33 @@ class TaSQAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, Hq, d)
         if q.is_cuda:
             return _cuda_ops().tasq_attention(q3, layer, fb, self.pool, md).reshape(-1, Hq * layer.v_head_dim)
+        H = layer.tp_k_head_num
+        exact = not fb.forward_mode.is_decode() and k is not None and v is not None
+        k3 = k.reshape(-1, H, d) if exact else None
+        v3 = v.reshape(-1, H, layer.v_head_dim) if exact else None
         out = torch.empty(q3.shape[0], Hq, layer.v_head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for row, S, Tq in zip(md["req_rows"], md["seq_lens"], md["q_lens"]):
-            out[start : start + Tq] = self._attend(q3[start : start + Tq], layer, row, S).to(q.dtype)
+            sl = slice(start, start + Tq)
+            chunk = (k3[sl], v3[sl]) if exact else None
+            out[sl] = self._attend(q3[sl], layer, row, S, chunk).to(q.dtype)
             start += Tq
         return out.reshape(-1, Hq * layer.v_head_dim)
 
-    def _attend(self, q, layer, row: int, S: int) -> torch.Tensor:
-        """q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1 -> [Tq, Hq, d] f32 over the request's S tokens."""
-        slots = self.req_to_token_pool.req_to_token[row, :S].to(torch.int64)
+    def _attend(self, q, layer, row: int, S: int, chunk=None) -> torch.Tensor:
+        """q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1 -> [Tq, Hq, d] f32.
+
+        chunk: (k [Tq, H, d] post-RoPE, v [Tq, H, d]) exact k/v of the last Tq positions, or
+        None to read all ``S`` tokens from the pool (decode).
+        """
+        Tq = q.shape[0]
+        P = S - Tq if chunk is not None else S
+        slots = self.req_to_token_pool.req_to_token[row, :P].to(torch.int64)
         k_pre, v = self.pool.read_request(layer.layer_id, slots, row, S)
-        kv_pos = torch.arange(S, device=q.device)
         cb = self.codebooks
-        k = apply_rope(k_pre, kv_pos, cb.inv_freq, cb.attention_scaling)
-        q_pos = kv_pos[S - q.shape[0]:]
-        return attention_dense(q, q_pos, k, v, kv_pos, layer.scaling, causal=True)
+        k = apply_rope(k_pre, torch.arange(P, device=q.device), cb.inv_freq, cb.attention_scaling)
+        if chunk is not None:
+            k = torch.cat([k, chunk[0].float()], dim=0)
+            v = torch.cat([v, chunk[1].float()], dim=0)
+        kv_pos = torch.arange(S, device=q.device)
+        return attention_dense(q, kv_pos[S - Tq:], k, v, kv_pos, layer.scaling, causal=True)

@@ -25,7 +25,6 @@ from . import launch
 
 logger = logging.getLogger("sglang_tasq")
 _loaded = False
-DEFAULT_WINDOW_ROWS = 64  # request rows charged for window rings when --max-running-requests is unset
 
 
 def _register_backend() -> None:
@@ -128,12 +127,11 @@ def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
 def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
     if not launch.active():
         return None
-    from .pool import window_bytes
+    from .pool import window_bytes, window_ring_rows
 
     art = launch.runtime_artifact()
     fp = art.model
-    rows = getattr(kvc.server_args, "max_running_requests", None) or DEFAULT_WINDOW_ROWS
-    extra = window_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, rows + 1)
+    extra = window_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_ring_rows() + 1)
     self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra
     return None
 

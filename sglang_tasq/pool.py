@@ -10,18 +10,20 @@ Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding wr
 SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 768 in bf16.
 
 Full-precision windows (sink = first ``sink_window`` positions, recent = last
-``recent_window`` positions) live in a per-request ring indexed by ``req_pool_idx``:
-``win_k[l]``, ``win_v[l]``: bf16 ``[R + 1, W, H, d]`` (pre-RoPE keys), ``W = sink + recent``,
-with ``win_pos[R + 1, W]`` holding the position each entry stores (-1 = empty). Position
-``p`` lives at ring index ``p`` (sink) or ``sink + p % recent`` (recent). A ring row is
-cleared whenever SGLang hands the row to a new request, so only tokens the request wrote
-itself are read in full precision; tokens of a prefix shared through the radix cache are
+``recent_window`` positions) live in per-request rings:
+``win_k[l]``, ``win_v[l]``: bf16 ``[N + 1, W, H, d]`` (pre-RoPE keys), ``W = sink + recent``,
+with ``win_pos[N + 1, W]`` holding the position each entry stores (-1 = empty); ``N`` =
+``window_ring_rows()`` (env ``SGLANG_TASQ_WINDOW_ROWS``, default 128); a ring is bound to a request row when SGLang
+allocates the row (``ring_of``) and returned when it frees it. Position ``p`` lives at ring
+index ``p`` (sink) or ``sink + p % recent`` (recent). A ring is cleared when it is bound, so
+only tokens the request wrote itself are read in full precision; tokens of a prefix shared through the radix cache are
 read from their codes (codes are per slot, so sharing, chunked prefill, retraction and
 aborts need nothing else). The rings are a fixed cost per request row, charged to the
 memory budget by the plugin's pool-sizing hook (:func:`window_bytes`).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -30,6 +32,11 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from . import codec
 from .launch import runtime_artifact
 from .rope import apply_rope
+
+
+def window_ring_rows() -> int:
+    """How many requests can hold full-precision windows at once (SGLANG_TASQ_WINDOW_ROWS, 128)."""
+    return int(os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "128"))
 
 
 def scale_bytes(cfg, num_kv_heads: int) -> int:
@@ -79,33 +86,57 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self.v_buffer = [torch.zeros(rows, self.code_bytes_v, dtype=torch.uint8, device=self.device)
                              for _ in range(self.layer_num)]
         self.window = cfg.sink_window + cfg.recent_window
-        self.win_k: Optional[list] = None
-        self.win_v: Optional[list] = None
-        self.win_pos: Optional[torch.Tensor] = None
-        self._cb_cache: dict = {}
+        self.win_k = self.win_v = self.win_pos = self.ring_of = None
+        n = window_ring_rows()
+        if self.window and n:
+            with self.memory_saver_adapter.region("kv_cache"):
+                # ring 0 is the "no window" ring: never valid (win_pos stays -1, writes dropped)
+                self.win_k = [torch.zeros(n + 1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
+                              for _ in range(self.layer_num)]
+                self.win_v = [torch.zeros(n + 1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
+                              for _ in range(self.layer_num)]
+                self.win_pos = torch.full((n + 1, self.window), -1, dtype=torch.int64, device=self.device)
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
     # ---- windows ---------------------------------------------------------------------------
     def attach_request_rows(self, req_to_token_pool) -> None:
-        """Allocate the window rings for every request row and clear a row on reuse."""
-        if self.window == 0 or self.win_k is not None:
+        """Map request rows onto the window rings (bound on row alloc, returned on row free).
+        A request that finds no free ring gets no windows (reads codes only)."""
+        if self.win_k is None or self.ring_of is not None:
             return
-        R1 = req_to_token_pool.req_to_token.shape[0]
-        H, d = self.head_num, self.head_dim
-        self.win_k = [torch.zeros(R1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
-                      for _ in range(self.layer_num)]
-        self.win_v = [torch.zeros(R1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
-                      for _ in range(self.layer_num)]
-        self.win_pos = torch.full((R1, self.window), -1, dtype=torch.int64, device=self.device)
-        previous = req_to_token_pool._on_alloc_rows
+        n = self.win_pos.shape[0] - 1
+        self.ring_of = torch.zeros(req_to_token_pool.req_to_token.shape[0], dtype=torch.int64, device=self.device)
+        self._free_rings = list(range(n, 0, -1))
+        previous_alloc, original_free = req_to_token_pool._on_alloc_rows, req_to_token_pool.free_rows
 
         def on_alloc_rows(rows):
-            self.win_pos[torch.as_tensor(rows, dtype=torch.long, device=self.device)] = -1
-            if previous is not None:
-                previous(rows)
+            for r in rows:
+                ring = self._free_rings.pop() if self._free_rings else 0
+                self.ring_of[r] = ring
+                if ring:
+                    self.win_pos[ring] = -1
+            if previous_alloc is not None:
+                previous_alloc(rows)
+
+        def free_rows(rows):
+            for r in rows:
+                ring = int(self.ring_of[r])
+                if ring:
+                    self._free_rings.append(ring)
+                self.ring_of[r] = 0
+            return original_free(rows)
+
+        original_clear = req_to_token_pool.clear
+
+        def clear():
+            self.ring_of.zero_()
+            self._free_rings = list(range(n, 0, -1))
+            return original_clear()
 
         req_to_token_pool._on_alloc_rows = on_alloc_rows
+        req_to_token_pool.free_rows = free_rows
+        req_to_token_pool.clear = clear
 
     def window_index(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] -> ring index [T] (valid for sink and recent positions)."""
@@ -144,10 +175,11 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             krow = torch.cat([krow, k_scale.reshape(T, -1).contiguous().view(torch.uint8)], dim=1)
         self.k_buffer[lid][loc] = krow.to(self.device)
         self.v_buffer[lid][loc] = codec.pack_codes(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v).to(self.device)
-        if self.win_k is not None and req_rows is not None:
+        if self.ring_of is not None and req_rows is not None:
             keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
+            keep = keep & (self.ring_of[req_rows] > 0)
             if bool(keep.any()):
-                rows, pos = req_rows[keep], positions[keep]
+                rows, pos = self.ring_of[req_rows[keep]], positions[keep]
                 idx = self.window_index(pos)
                 self.win_k[lid][rows, idx] = k_pre[keep].to(torch.bfloat16)
                 self.win_v[lid][rows, idx] = v[keep].to(torch.bfloat16)
@@ -177,7 +209,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         v_codes = codec.unpack_codes(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
         k = codec.decode_keys(k_codes, scale, cb, layer_id)
         v = codec.decode_values(v_codes, cb, layer_id)
-        if self.win_k is not None:
+        ring = int(self.ring_of[req_row]) if self.ring_of is not None else 0
+        if ring:
+            req_row = ring
             pos = torch.arange(S, device=slots.device)
             idx = self.window_index(pos)
             valid = self.in_window(pos, seq_len) & (self.win_pos[req_row, idx] == pos)
@@ -187,6 +221,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         return k, v
 
     def get_kv_size_bytes(self):
+        """(key bytes, value bytes) actually held, the window rings and their positions included."""
         k, v = super().get_kv_size_bytes()
         if self.win_k is not None:
             k += sum(t.numel() * t.element_size() for t in self.win_k) + self.win_pos.numel() * 8

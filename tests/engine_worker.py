@@ -8,14 +8,79 @@ line (one JSON object). SPEC: ``{"engine": {Engine kwargs}, "tasq_config": path 
 its one line on stderr and exits 2.
 
 ``make_random_artifact(out_dir, model_dir, **config)`` writes a wiring-only artifact with
-random codebooks (garbage quality, valid format) for the served model.
+random codebooks (garbage quality, valid format) for the served model. The test helpers
+(``run_worker``, ``pick_artifact``, ``reference_logprobs`` with the HF TaSQ cache, independent
+of SGLang) live here too.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "engine_worker.py"
+REAL_ARTIFACT = ROOT / "artifacts" / "smollm2" / "tasq.json"
+
+
+def model_dir() -> Path:
+    from sglang_tasq.models import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+def pick_artifact(tmp_dir: Path) -> tuple[Path, bool]:
+    """(manifest path, is_real): the calibrated artifact if it loads for the model, else random."""
+    from sglang_tasq.launch import TaSQLaunchError, load_checked_artifact
+
+    if REAL_ARTIFACT.is_file():
+        try:
+            load_checked_artifact(str(REAL_ARTIFACT), str(model_dir()))
+            return REAL_ARTIFACT, True
+        except TaSQLaunchError:
+            pass
+    return make_random_artifact(tmp_dir / "random_art", model_dir()), False
+
+
+def run_worker(spec: dict, tmp_dir: Path, name: str, timeout: int = 900, env: dict | None = None):
+    """-> (returncode, parsed JSON or None, stderr)."""
+    path = tmp_dir / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    e = dict(os.environ)
+    e.pop("SGLANG_TASQ_CONFIG", None)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, str(WORKER), str(path)], capture_output=True, text=True,
+                       timeout=timeout, env=e, cwd=str(ROOT))
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return p.returncode, (json.loads(lines[-1]) if lines else None), p.stderr
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def reference_logprobs(codebooks, prompt_ids: list[int], out_ids: list[int], sink: int, recent: int) -> list[float]:
+    """Teacher-forced log-probs of ``out_ids`` after ``prompt_ids`` with the HF TaSQ cache
+    (prefill attends to itself exactly, decode reads codes outside the windows)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_tasq.hf_cache import TaSQCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16)
+    model.eval()
+    cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True)
+    out = []
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for tok in out_ids:
+            out.append(float(torch.log_softmax(logits.float(), -1)[tok]))
+            logits = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    return out
 
 
 def make_random_artifact(out_dir, model_dir, seed: int = 0, **config) -> Path:

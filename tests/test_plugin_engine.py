@@ -1,0 +1,120 @@
+"""End to end: a real ``sglang.Engine`` on CPU with SmolLM2 and a TaSQ artifact (one engine
+per module, in a subprocess), against a plain engine (plugin inactive) and the HF reference.
+
+With random codebooks (no calibrated artifact yet) answers are garbage outside the windows,
+so quality is asserted only for the calibrated artifact; structure, capacity, agreement with
+the HF reference cache and prefix sharing are asserted always.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+from engine_worker import model_dir, pick_artifact, reference_logprobs, run_worker  # noqa: E402
+
+RINGS = 8  # SGLANG_TASQ_WINDOW_ROWS for the test engine (each ring: 320 tokens of bf16 K/V)
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+SUFFIXES = [" Which item is red?", " Name item 3.", " Count the items.", " What is item 5?"]
+
+
+def _long_prompt(tok, n_items: int) -> list[int]:
+    text = " ".join(f"Item {i} is {'red' if i % 7 == 3 else 'blue'}." for i in range(n_items))
+    return tok.encode(text)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir())
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return pick_artifact(tmp_path_factory.mktemp("art"))
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    from engine_worker import chat_ids
+
+    prefix = _long_prompt(tok, 60)  # ~500 tokens: past sink + recent, so codes are read
+    return {"chat": chat_ids(tok, "What is the capital of France?"), "long": _long_prompt(tok, 70),
+            "prefix": prefix, "shared": [prefix + tok.encode(s) for s in SUFFIXES]}
+
+
+@pytest.fixture(scope="module")
+def tasq_run(artifact, prompts, tmp_path_factory):
+    gen = lambda ids, sp=GREEDY, lp=True: {"op": "generate", "input_ids": ids, "sampling_params": sp, "return_logprob": lp}  # noqa: E731
+    tasks = [{"op": "info"}, gen(prompts["chat"], dict(GREEDY, max_new_tokens=12)), gen(prompts["long"]),
+             {"op": "flush"}, gen(prompts["prefix"], dict(GREEDY, max_new_tokens=1), False),
+             gen(prompts["shared"], GREEDY, False)]
+    tasks += [gen(ids, GREEDY, False) for ids in prompts["shared"]]
+    spec = {"engine": {"model_path": str(model_dir()), "mem_fraction_static": 0.05},
+            "tasq_config": str(artifact[0]), "tasks": tasks}
+    rc, out, err = run_worker(spec, tmp_path_factory.mktemp("tq"), "tasq", env={"SGLANG_TASQ_WINDOW_ROWS": str(RINGS)})
+    assert rc == 0 and out is not None, err[-3000:]
+    return out["results"]
+
+
+@pytest.fixture(scope="module")
+def base_run(prompts, tmp_path_factory):
+    spec = {"engine": {"model_path": str(model_dir()), "mem_fraction_static": 0.05}, "tasq_config": None,
+            "tasks": [{"op": "info"}, {"op": "generate", "input_ids": prompts["chat"],
+                                       "sampling_params": dict(GREEDY, max_new_tokens=12)}]}
+    rc, out, err = run_worker(spec, tmp_path_factory.mktemp("base"), "base")
+    assert rc == 0 and out is not None, err[-3000:]
+    return out["results"]
+
+
+def test_generation_completes(tasq_run, artifact):
+    info, chat = tasq_run[0], tasq_run[1]["outputs"][0]
+    assert info["attention_backend"] == "tasq"
+    assert len(chat["output_ids"]) > 0 and all(lp <= 0 for lp, _ in chat["output_logprobs"])
+    if artifact[1]:
+        assert "Paris" in chat["text"]
+
+
+def test_without_config_the_plugin_does_nothing(base_run):
+    info, chat = base_run[0], base_run[1]["outputs"][0]
+    assert info["attention_backend"] != "tasq"
+    assert "Paris" in chat["text"]
+
+
+def test_capacity_at_same_memory(tasq_run, base_run, artifact):
+    """Tokens TaSQ fits in the bf16 pool's bytes (rings charged) over bf16 tokens: >= 12x."""
+    from sglang_tasq.launch import load_checked_artifact
+    from sglang_tasq.pool import bytes_per_token, window_bytes
+
+    art = load_checked_artifact(str(artifact[0]), None)
+    fp, cfg = art.model, art.config
+    per_token = bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers)
+    bf16_per_token = 2 * fp.num_kv_heads * fp.head_dim * 2 * fp.num_layers
+    assert bf16_per_token / per_token >= 12.0
+    bf16_tokens = base_run[0]["max_total_num_tokens"]
+    budget = bf16_tokens * bf16_per_token
+    rings = window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, RINGS + 1)
+    tasq_tokens = (budget - rings) // per_token
+    assert tasq_tokens / bf16_tokens >= 11.0, (tasq_tokens, bf16_tokens)
+    # the engine itself sized its pool with TaSQ's bytes per token (budgets differ per run)
+    assert tasq_run[0]["max_total_num_tokens"] > 10 * bf16_tokens
+
+
+def test_logprobs_match_hf_reference(tasq_run, prompts, artifact):
+    """Decode reads codes outside the windows: the engine agrees with the HF TaSQ cache."""
+    from sglang_tasq.launch import load_checked_artifact
+
+    art = load_checked_artifact(str(artifact[0]), None)
+    out = tasq_run[2]["outputs"][0]
+    ids = [t for _, t in out["output_logprobs"]]
+    eng = [lp for lp, _ in out["output_logprobs"]]
+    ref = reference_logprobs(art.codebooks, prompts["long"], ids, art.config.sink_window, art.config.recent_window)
+    diffs = [abs(a - b) for a, b in zip(eng, ref)]
+    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.08, (eng, ref)
+
+
+def test_shared_prefix_batch_equals_one_by_one(tasq_run):
+    batch = [o["output_ids"] for o in tasq_run[5]["outputs"]]
+    single = [r["outputs"][0]["output_ids"] for r in tasq_run[6:]]
+    assert batch == single

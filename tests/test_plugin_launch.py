@@ -1,0 +1,129 @@
+"""Launch-time refusals: every malformed or mismatched artifact and every unsupported server
+option is refused with one line naming the cause (in process, fast), and the real launchers
+(``python -m sglang.launch_server``, ``sglang.Engine``) exit non-zero with that one line
+before any weights load (subprocess, slow)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from engine_worker import ROOT, make_random_artifact, model_dir, run_worker
+from sglang_tasq.launch import TaSQLaunchError, validate
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return make_random_artifact(tmp_path_factory.mktemp("good"), model_dir())
+
+
+def _args(**kw):
+    base = dict(model_path=str(model_dir()), attention_backend=None, prefill_attention_backend=None,
+                decode_attention_backend=None, speculative_algorithm=None, page_size=None, tp_size=1,
+                pp_size=1, dp_size=1, kv_cache_dtype="auto")
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _refused(sa, path, *needles):
+    with pytest.raises(TaSQLaunchError) as ei:
+        validate(sa, str(path))
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith("tasq:")
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+def test_good_artifact_passes(good):
+    art = validate(_args(), str(good))
+    assert art.model.num_layers == 30
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(page_size=16), "--page-size 16"), (dict(tp_size=2), "--tp-size 2"),
+    (dict(speculative_algorithm="EAGLE"), "speculative"), (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
+    (dict(attention_backend="triton"), "--attention-backend triton"), (dict(dp_size=2), "--dp-size 2")])
+def test_unsupported_server_options(good, kw, needle):
+    _refused(_args(**kw), good, needle)
+
+
+def _copy(good, tmp_path):
+    d = tmp_path / "art"
+    shutil.copytree(good.parent, d)
+    return d / "tasq.json"
+
+
+def test_wrong_model_shapes(tmp_path):
+    from sglang_tasq.artifact import save_artifact
+    from sglang_tasq.models import fingerprint, load_config
+    from sglang_tasq.testing import random_codebooks
+    import dataclasses
+
+    fp = dataclasses.replace(fingerprint(load_config(model_dir())), num_layers=2)
+    path = save_artifact(tmp_path, random_codebooks(2, 3, 64, rope_theta=1e5), fp, calibration={})
+    _refused(_args(), path, "model.num_layers", "artifact has 2", "model has 30")
+
+
+def test_wrong_rope_theta(good, tmp_path):
+    p = _copy(good, tmp_path)
+    m = json.loads(p.read_text())
+    m["model"]["rope_theta"] = 10000.0
+    p.write_text(json.dumps(m))
+    _refused(_args(), p, "model.rope_theta")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate", "tensors.bytes"), ("json", "not valid JSON"), ("missing", "no such file"),
+    ("version", "format_version"), ("bits", "bits_k")])
+def test_malformed_artifacts(good, tmp_path, damage, needle):
+    p = _copy(good, tmp_path)
+    if damage == "truncate":
+        t = p.parent / "tasq.safetensors"
+        t.write_bytes(t.read_bytes()[:1000])
+    elif damage == "json":
+        p.write_text("{not json")
+    elif damage == "missing":
+        p = p.parent / "nope.json"
+    else:
+        m = json.loads(p.read_text())
+        m["format_version" if damage == "version" else "bits_k"] = 99
+        p.write_text(json.dumps(m))
+    _refused(_args(), p, needle)
+
+
+@pytest.mark.parametrize("extra,needle", [({"kv_lora_rank": 512}, "MLA"),
+                                          ({"sliding_window": 4096, "use_sliding_window": True}, "sliding-window")])
+def test_unsupported_models(good, tmp_path, extra, needle):
+    cfg = json.loads((model_dir() / "config.json").read_text())
+    cfg.update(extra)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _refused(_args(model_path=str(tmp_path)), good, needle)
+
+
+@pytest.mark.slow
+def test_launch_server_refuses_in_one_line(good, tmp_path):
+    bad = _copy(good, tmp_path)
+    (bad.parent / "tasq.safetensors").write_bytes(b"x" * 10)
+    p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir()),
+                        "--tasq-config", str(bad), "--device", "cpu", "--host", "127.0.0.1"],
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("tasq:")]
+    assert len(lines) == 1 and "tensors.bytes" in lines[0], p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == lines[0]
+
+
+@pytest.mark.slow
+def test_help_shows_flag_and_engine_refuses(good, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+                       text=True, timeout=300, cwd=str(ROOT))
+    assert "--tasq-config" in p.stdout and "tasq" in p.stdout
+    spec = {"engine": {"model_path": str(model_dir()), "page_size": 16}, "tasq_config": str(good), "tasks": []}
+    rc, out, err = run_worker(spec, tmp_path, "refuse", timeout=300)
+    assert rc == 2 and out is None
+    assert err.strip().splitlines()[-1].startswith("tasq: --page-size 16"), err[-2000:]

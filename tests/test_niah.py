@@ -1,0 +1,103 @@
+"""RULER NIAH generator: exact template strings, haystacks, scoring, and sizing with SmolLM2."""
+import re
+from pathlib import Path
+
+import pytest
+
+from bench import niah
+from bench.niah import TASKS, generate_samples, make_sample, string_match_all
+
+SMOL = Path.home() / ".cache" / "sglang-tasq" / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_depths_are_rounded_linspace():
+    np = pytest.importorskip("numpy")
+    assert niah.DEPTHS == [int(x) for x in np.round(np.linspace(0, 100, 40))]
+
+
+def test_single_needle_template_singular():
+    s = make_sample(TASKS["niah_single_1"], 10, seed=3)
+    (gold,) = s["outputs"]
+    m = re.search(r"One of the special magic numbers for (\S+) is: (\d{7})\.", s["input"])
+    assert m and m.group(2) == gold
+    key = m.group(1)
+    assert re.fullmatch(r"[a-z' ]+-[a-zA-Z' ]+", key)
+    assert s["input"].startswith(
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the number afterwards.\n" + niah.NOISE + "\n")
+    assert s["input"].endswith(f"\nWhat is the special magic number for {key} mentioned in the provided text?")
+    assert s["answer_prefix"] == f" The special magic number for {key} mentioned in the provided text is"
+    lines = s["input"].split("\n")[1:-1]
+    assert len(lines) == 11 and lines.count(niah.NOISE) == 10
+
+
+def test_multiquery_template_plural():
+    s = make_sample(TASKS["niah_multiquery"], 300, seed=0)
+    assert s["input"].startswith("Some special magic numbers are hidden within the following text. Make sure "
+                                 "to memorize it. I will quiz you about the numbers afterwards.\n")
+    q = re.search(r"What are all the special magic numbers for (.+) mentioned in the provided text\?$", s["input"])
+    keys = re.split(r", and |, ", q.group(1))
+    assert len(keys) == 4 and len(set(keys)) == 4
+    assert s["answer_prefix"] == f" The special magic numbers for {q.group(1)} mentioned in the provided text are"
+    assert len(s["outputs"]) == 4
+    for k, v in zip(keys, s["outputs"]):
+        assert f"One of the special magic numbers for {k} is: {v}." in s["input"]
+
+
+def test_multivalue_and_uuid_tasks():
+    s = make_sample(TASKS["niah_multivalue"], 300, seed=1)
+    assert len(s["outputs"]) == 4 and "What are all the special magic numbers for" in s["input"]
+    assert all(f"is: {v}." in s["input"] for v in s["outputs"])
+    u = make_sample(TASKS["niah_multikey_3"], 20, seed=1)
+    uuid_re = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    assert re.fullmatch(uuid_re, u["outputs"][0])
+    assert "What is the special magic uuid for " in u["input"]
+    lines = u["input"].split("\n")[1:-1]
+    assert len(lines) == 21 and all(re.fullmatch(rf"One of the special magic uuids for {uuid_re} is: {uuid_re}\.", x)
+                                    for x in lines)
+
+
+def test_essay_haystack_and_determinism():
+    a = make_sample(TASKS["niah_multikey_1"], 2000, seed=7)
+    b = make_sample(TASKS["niah_multikey_1"], 2000, seed=7)
+    assert a == b
+    assert a["input"].count("One of the special magic numbers for") == 4
+    assert "\n" not in a["input"].split("\n", 1)[1].rsplit("\n", 1)[0]  # essay context is one paragraph
+    assert make_sample(TASKS["niah_multikey_1"], 2000, seed=8) != a
+
+
+def test_string_match_all_hand_cases():
+    assert string_match_all(["The numbers are 1234567 and 7654321."], [["1234567", "7654321"]]) == 100.0
+    assert string_match_all(["1234567", "nothing"], [["1234567"], ["7654321"]]) == 50.0
+    assert string_match_all(["only 1 and 2"], [["1", "2", "3", "4"]]) == 50.0
+    assert string_match_all(["ABC-DEF\x00"], [["abc-def"]]) == 100.0  # case-insensitive
+    assert string_match_all([], []) == 0.0
+    with pytest.raises(ValueError):
+        string_match_all(["a"], [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not (SMOL / "tokenizer.json").is_file():
+        pytest.skip(f"SmolLM2 checkpoint not materialized at {SMOL}")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(SMOL)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_sizes_fit_target_length(tokenizer, task):
+    fmt = niah.chat_formatter(tokenizer)
+    samples = generate_samples(task, tokenizer, 1024, 2, formatter=fmt)
+    for s in samples:
+        n = niah.count_tokens(tokenizer, s["prompt"])
+        assert n == s["length"] and n + niah.TOKENS_TO_GENERATE <= 1024
+        assert n >= 0.85 * (1024 - niah.TOKENS_TO_GENERATE)  # the haystack fills the budget
+        assert all(g in s["input"] for g in s["outputs"])
+        assert s["prompt"].startswith("<|im_start|>system\n")
+        assert s["prompt"].endswith("<|im_start|>assistant\n" + s["answer_prefix"].lstrip())
+
+
+def test_sizes_fit_4k_plain(tokenizer):
+    (s,) = generate_samples("niah_single_2", tokenizer, 4096, 1)
+    assert s["prompt"] == s["input"] + s["answer_prefix"]
+    assert 0.95 * (4096 - 128) <= s["length"] <= 4096 - 128

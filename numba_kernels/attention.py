@@ -42,7 +42,7 @@ def plan(rep: int, QT: int, gv: int, d: int) -> tuple[int, int]:
     nt = 128
     while nt > 32 and nt * (O + 1) * 4 > SHARED_BUDGET // 2:
         nt //= 2
-    left = SHARED_BUDGET - nt * (O + 1) * 4 - R * d * 4
+    left = SHARED_BUDGET - nt * (O + 1) * 4 - R * d * 4 - 4 * max(nt, O)
     lmax = max(nt, (left // (4 * R)) // nt * nt)
     return nt, lmax
 
@@ -72,6 +72,8 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
     use_scale = scale_mode != "none"
     per_head = scale_mode == "per_head"
     RED = NT * (O + 1)
+    P = max(1, NT // O)  # parts of the two-stage value reduction
+    RED2 = max(NT, O * P)
     QS = R * d
     LG = LMAX * R
     fNT = float32(NT)
@@ -105,6 +107,7 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
         cbk = cuda.shared.array(CB, F16)  # key codebook, then value codebook
         cbv = cbk
         stat = cuda.shared.array(R, float32)
+        red2 = cuda.shared.array(RED2, float32)
         x = cuda.local.array(gk, float32)
         cc = cuda.local.array(HALF, float32)
         ss = cuda.local.array(HALF, float32)
@@ -229,10 +232,17 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
             for o in range(O):
                 red[tid * (O + 1) + o] = acc[o]
             cuda.syncthreads()
+            for o2 in range(tid, O * P, NT):  # stage 1: P partial sums per output, all threads busy
+                o = o2 % O
+                tot = float32(0.0)
+                for i in range(o2 // O, NT, P):
+                    tot += red[i * (O + 1) + o]
+                red2[o2] = tot
+            cuda.syncthreads()
             for o in range(tid, O, NT):
                 tot = float32(0.0)
-                for i in range(NT):
-                    tot += red[i * (O + 1) + o]
+                for part in range(P):
+                    tot += red2[part * O + o]
                 r = o // gv
                 qi = r // rep
                 if qi < nrows:

@@ -1,25 +1,25 @@
 """A transformers ``Cache`` that stores what the serving pool stores (paper sec. 4.4-4.5):
 packed codes, the fp16 shared scale, and full-precision sink/recent windows.
 
-HF hands ``update`` post-RoPE keys ``[B, H, n, d]``; transformers 5.x passes no cos/sin,
-so positions are the cache indices (one sequence per batch row, no padding). For a
-pre-RoPE method (TaSQ) the keys are turned back with the cos/sin HF used (same float32
-angles, cast to the key dtype), encoded, and decoded keys are rotated again with
-:func:`rope.apply_rope`. Every token is encoded at insertion; a token is read back at full
+HF hands ``update`` post-RoPE keys ``[B, H, n, d]`` and (in 5.x) no cos/sin: positions are
+the cache indices (no padding). Pre-RoPE methods (TaSQ) get keys turned back with HF's own
+cos/sin (float32 angles cast to the key dtype); decoded keys are rotated by ``apply_rope``. Every token is encoded at insertion; a token is read back at full
 precision while it is among the first ``sink`` or the last ``recent`` tokens (or in the
 partial block a block method has not coded yet), and from its codes once it leaves.
 
-Stored state: payloads (codes + scales), per-layer method state, and the fp windows;
-:meth:`QuantizedKVCache.memory_bytes` counts exactly these. Compute cache: a model-dtype
-buffer ``[B, H, T, d]`` holding each token's *attended* value (fp inside the windows,
-decoded-and-rotated outside), so each token is decoded once, when it leaves the window,
-and attention gets a view without per-step decoding. It is not part of the stored bytes.
+Stored state (what ``memory_bytes`` counts): payloads (codes + scales), method state, fp
+windows. Compute cache (not counted): a model-dtype buffer ``[B, H, T, d]`` of each token's
+attended value (fp in the windows, decoded + rotated outside), so a token is decoded once,
+when it leaves the window, and attention gets a view (decoding all codes every step costs
+~0.6 s a layer at 8k tokens on CPU).
 
 ``fresh_exact=True`` (default, like a serving engine's prefill): the forward call that
 inserts tokens attends to them at full precision; they are read from codes from the next
 call on. ``False``: read from codes at once (fake-quant perplexity in one forward).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -31,12 +31,8 @@ from .rope import apply_rope, rotate
 
 
 class _Nearest:
-    """codec.nearest_codeword with the per-layer codebook and its norms computed once.
-
-    Same arithmetic as the reference (einsum, ``|c|^2 - 2 x.c``, first argmin), so codes
-    are identical; it only drops the per-call codebook preparation (~10 ms a layer on
-    CPU, which dominated one-token decode steps).
-    """
+    """codec.nearest_codeword (same arithmetic, same codes) with each layer's codebook and
+    norms prepared once: the per-call preparation dominated one-token steps on CPU."""
 
     def __init__(self, make_codebook):
         self.make, self.cache = make_codebook, {}
@@ -54,72 +50,71 @@ class _Nearest:
         return out
 
 
-class TaSQKeys:
-    """TaSQ keys (pre-RoPE): payload codes [T, ceil(H*Gk*bits/8)] uint8 (code n = h*Gk + j)
-    and the fp16 scale [T] (shared) or [T, H] (per-head ablation)."""
+class _TaSQSide:
+    """Packed rows of one token's codes (all heads, code n = h*G + j) and their unpacking."""
 
-    pre_rope, block, exact = True, 1, False
+    block, exact = 1, False
+
+    def _pack(self, codes: torch.Tensor, bits: int) -> dict:
+        return {"codes": codec.pack_codes(codes.reshape(codes.shape[0], -1), bits)}
+
+    @staticmethod
+    def _unpack(payload: dict, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+        H, G = codebook.shape[1:3]
+        T = payload["codes"].shape[0]
+        return codec.unpack_codes(payload["codes"], H * G, bits).view(T, H, G)
+
+
+class TaSQKeys(_TaSQSide):
+    """TaSQ keys (pre-RoPE): payload codes [T, ceil(H*Gk*bits/8)] uint8 and the fp16
+    scale [T] (shared) or [T, H] (per-head ablation). encode == codec.encode_keys, packed."""
+
+    pre_rope = True
 
     def __init__(self, cb: Codebooks, name: str = "tasq"):
-        self.cb, self.name = cb, name
+        self.cb, self.name, self.nearest = cb, name, _Nearest(cb.tailored_k_codebook)
         self.inv_freq, self.attention_scaling = cb.inv_freq, cb.attention_scaling
-        self.nearest = _Nearest(cb.tailored_k_codebook)
 
     def encode(self, x, layer, state):
-        """== codec.encode_keys(x, cb, layer), packed."""
         xt, scale = codec.key_tailor(x, self.cb, layer)
-        codes = self.nearest(xt, layer)
-        out = {"codes": codec.pack_codes(codes.reshape(x.shape[0], -1), self.cb.config.code_bits_k)}
-        if scale is not None:
-            out["scale"] = scale
-        return out
+        out = self._pack(self.nearest(xt, layer), self.cb.config.code_bits_k)
+        return out if scale is None else {**out, "scale": scale}
 
     def decode(self, payload, layer, state):
-        H, G = self.cb.k_codebook.shape[1:3]
-        T = payload["codes"].shape[0]
-        codes = codec.unpack_codes(payload["codes"], H * G, self.cb.config.code_bits_k).view(T, H, G)
+        codes = self._unpack(payload, self.cb.k_codebook, self.cb.config.code_bits_k)
         return codec.decode_keys(codes, payload.get("scale"), self.cb, layer)
 
     def bits_per_element(self, num_kv_heads, head_dim):
         return self.cb.config.bits_k(num_kv_heads, head_dim)
 
 
-class TaSQValues:
-    """TaSQ values: payload codes [T, ceil(H*Gv*bits/8)] uint8 (code n = h*Gv + j)."""
+class TaSQValues(_TaSQSide):
+    """TaSQ values: payload codes [T, ceil(H*Gv*bits/8)] uint8. encode == codec.encode_values."""
 
-    pre_rope, block, exact = False, 1, False
+    pre_rope = False
 
     def __init__(self, cb: Codebooks, name: str = "tasq"):
-        self.cb, self.name = cb, name
-        self.nearest = _Nearest(lambda layer: cb.v_codebook[layer])
+        self.cb, self.name, self.nearest = cb, name, _Nearest(lambda layer: cb.v_codebook[layer])
 
     def encode(self, x, layer, state):
-        """== codec.encode_values(x, cb, layer), packed."""
         T, H, d = x.shape
         g = self.cb.config.group_size_v
-        codes = self.nearest(x.float().view(T, H, d // g, g), layer)
-        return {"codes": codec.pack_codes(codes.reshape(x.shape[0], -1), self.cb.config.code_bits_v)}
+        return self._pack(self.nearest(x.float().view(T, H, d // g, g), layer), self.cb.config.code_bits_v)
 
     def decode(self, payload, layer, state):
-        H, G = self.cb.v_codebook.shape[1:3]
-        T = payload["codes"].shape[0]
-        codes = codec.unpack_codes(payload["codes"], H * G, self.cb.config.code_bits_v).view(T, H, G)
+        codes = self._unpack(payload, self.cb.v_codebook, self.cb.config.code_bits_v)
         return codec.decode_values(codes, self.cb, layer)
 
     def bits_per_element(self, num_kv_heads, head_dim):
         return self.cb.config.bits_v(num_kv_heads, head_dim)
 
 
-def hf_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
-    """cos, sin [T, d/2] float32 exactly as HF's rotary module makes them for ``dtype``."""
-    ang = positions.float()[:, None] * inv_freq.float()[None, :]
-    return ((ang.cos() * scaling).to(dtype).float(), (ang.sin() * scaling).to(dtype).float())
-
-
 def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq, scaling: float = 1.0) -> torch.Tensor:
-    """Post-RoPE keys [T, H, d] (HF, dtype of k) -> pre-RoPE keys [T, H, d] float32."""
-    cos, sin = hf_cos_sin(positions, inv_freq, scaling, k.dtype)
-    return rotate(k.float(), cos[:, None], sin[:, None], inverse=True)
+    """Post-RoPE keys [T, H, d] (HF, dtype of k) -> pre-RoPE keys [T, H, d] float32, using
+    cos/sin exactly as HF's rotary module makes them (float32 angles cast to k's dtype)."""
+    ang = positions.float()[:, None] * inv_freq.float()[None, :]
+    cos, sin = ((f(ang) * scaling).to(k.dtype).float()[:, None] for f in (torch.cos, torch.sin))
+    return rotate(k.float(), cos, sin, inverse=True)
 
 
 class _Payload:
@@ -172,8 +167,7 @@ class QuantizedKVLayer(DynamicLayer):
         B = key_states.shape[0]
         m, s = self.cache.method, self.cache.sink
         self.sides = {"k": _Side(m.keys, B, s), "v": _Side(m.values, B, s)}
-        self._base: dict = {}
-        self.bufs: dict = {}
+        self._base, self.bufs = {}, {}  # attended buffers [B, H, cap, d] and their [:T] views
         self.is_initialized = True
 
     def _grow(self, name: str, new: torch.Tensor) -> None:
@@ -194,7 +188,7 @@ class QuantizedKVLayer(DynamicLayer):
         self._grow("k", key_states)
         self._grow("v", value_states)
         self.length = T1 = T0 + n
-        for name, side in self.sides.items():
+        for name, side in self.sides.items():  # encode at insertion, decode on leaving windows
             self._encode(name, side, T1)
             self._read_back(name, side, T1, T0 if self.cache.fresh_exact else T1)
         self.keys, self.values = self.bufs["k"], self.bufs["v"]
@@ -217,11 +211,9 @@ class QuantizedKVLayer(DynamicLayer):
         """Overwrite slots that left the windows (and are coded) with their decoded value."""
         if side.q.exact:
             return
-        a = side.read_upto
-        b = min(side.coded, T1 - self.cache.recent, bound)
+        a, b, blk = side.read_upto, min(side.coded, T1 - self.cache.recent, bound), side.q.block
         if b <= a:
             return
-        blk = side.q.block
         for r, store in enumerate(side.rows):
             x = side.q.decode(store.slice(a // blk, -(-b // blk)), self.layer_idx, side.state)
             x = x[a - (a // blk) * blk :][: b - a]
@@ -234,22 +226,19 @@ class QuantizedKVLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def memory_bytes(self, windows: bool = True) -> dict:
+    def memory_bytes(self, windows: bool = True) -> Counter:
         """Stored bytes of this layer by kind: payload entries, 'state', 'window'."""
-        out: dict = {}
+        out: Counter = Counter()
         if not self.is_initialized:
             return out
-        T, sink, recent = self.length, self.cache.sink, self.cache.recent
-        per_tok = self.bufs["k"].shape[0] * self.bufs["k"].shape[1] * self.bufs["k"].shape[3] * self.bufs["k"].element_size()
+        B, H, T, d = self.bufs["k"].shape
+        per_tok = B * H * d * self.bufs["k"].element_size()
         for side in self.sides.values():
             for store in side.rows:
-                for k, v in store.nbytes().items():
-                    out[k] = out.get(k, 0) + v
-            out["state"] = out.get("state", 0) + sum(t.nbytes for t in side.state.values())
-            if windows and not side.q.exact:
-                # fp tokens: sink + recent window + uncoded partial block
-                compressed = max(0, min(side.coded, T - recent) - sink)
-                out["window"] = out.get("window", 0) + (T - compressed) * per_tok
+                out.update(store.nbytes())
+            out["state"] += sum(t.nbytes for t in side.state.values())
+            if windows and not side.q.exact:  # fp tokens: sink, recent window, uncoded partial block
+                out["window"] += (T - max(0, min(side.coded, T - self.cache.recent) - self.cache.sink)) * per_tok
         return out
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -257,6 +246,8 @@ class QuantizedKVLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("QuantizedKVLayer does not support beam search")
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache
 
 
 class QuantizedKVCache(Cache):
@@ -282,11 +273,7 @@ class QuantizedKVCache(Cache):
 
     def memory_breakdown(self, windows: bool = True) -> dict:
         """Stored bytes over all layers by kind ('codes', 'scale', 'zero', 'x', 'state', 'window')."""
-        out: dict = {}
-        for layer in self.layers:
-            for k, v in layer.memory_bytes(windows).items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return dict(sum((layer.memory_bytes(windows) for layer in self.layers), Counter()))
 
     def memory_bytes(self, windows: bool = True) -> int:
         """Real stored bytes: payloads (codes + scales) + method state + fp windows."""

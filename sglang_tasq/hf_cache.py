@@ -37,7 +37,7 @@ class _Nearest:
     def __init__(self, make_codebook):
         self.make, self.cache = make_codebook, {}
 
-    def __call__(self, x: torch.Tensor, layer: int, chunk: int = 4096) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int, chunk: int = 256) -> torch.Tensor:
         """x [T, H, G, g] -> codes [T, H, G] int64."""
         if layer not in self.cache:
             cb = self.make(layer).float().contiguous()
@@ -46,7 +46,7 @@ class _Nearest:
         out = torch.empty(x.shape[:3], dtype=torch.int64)
         for s in range(0, x.shape[0], chunk):
             dots = torch.einsum("thgc,hgkc->thgk", x[s : s + chunk].float(), cb)
-            out[s : s + chunk] = torch.argmin(cn.unsqueeze(0) - 2 * dots, dim=-1)
+            out[s : s + chunk] = torch.argmin(dots.mul_(-2).add_(cn), dim=-1)  # == cn - 2 dots, in place
         return out
 
 

@@ -107,7 +107,8 @@ def _run_task(engine, task: dict) -> dict:
         states = info.get("internal_states") or [{}]
         return {"op": op, "max_total_num_tokens": info.get("max_total_num_tokens",
                                                            states[0].get("max_total_num_tokens")),
-                "attention_backend": info.get("attention_backend")}
+                "attention_backend": info.get("attention_backend"),
+                "kvcache_gb": (states[0].get("memory_usage") or {}).get("kvcache")}
     if op == "generate":
         kw = dict(sampling_params=task.get("sampling_params", {}), return_logprob=task.get("return_logprob", False))
         if "input_ids" in task:

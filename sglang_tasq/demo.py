@@ -1,0 +1,149 @@
+"""``make demo``: serve SmolLM2 with the TaSQ KV cache on this machine and ask it two things.
+
+``python -m sglang_tasq.demo [--artifact DIR] [--port N] [--cpu]``:
+
+1. materializes the model (:func:`models.resolve_model`);
+2. calibrates once if no artifact is cached (``python -m calibrate --model smollm2-135m
+   --out artifacts/smollm2 --fast``); if the calibration CLI is absent, writes a random-codebook
+   artifact (wiring only: answers outside the full-precision windows are then garbage);
+3. launches ``python -m sglang.launch_server ... --tasq-config A --attention-backend tasq``
+   on 127.0.0.1, sends a chat request and a needle-in-a-haystack request through the
+   OpenAI-compatible API, prints the answers and the KV pool capacity (tokens) against bf16
+   in the same memory, and shuts the server down.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .models import resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2"
+NEEDLE = "The secret passcode is 7421."
+
+
+def ensure_artifact(out: Path, model_dir: Path) -> Path:
+    manifest = out / "tasq.json"
+    if manifest.is_file():
+        return manifest
+    import importlib.util
+
+    if importlib.util.find_spec("calibrate") is not None and (ROOT / "calibrate" / "__main__.py").is_file():
+        print(f"[demo] calibrating -> {out} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out), "--fast"],
+                       check=True, cwd=str(ROOT))
+        return manifest
+    print("[demo] calibrate CLI not found: writing RANDOM codebooks (wiring only, garbage outside windows)")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engine_worker import make_random_artifact
+
+    return make_random_artifact(out, model_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: dict, timeout: float = 600):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_ready(base: str, proc, timeout: float = 600) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode}")
+        try:
+            _get(base + "/v1/models", timeout=5)
+            return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"server not ready after {timeout:.0f} s")
+
+
+def chat(base: str, model: str, text: str, max_tokens: int = 48) -> str:
+    r = _post(base + "/v1/chat/completions", {"model": model, "temperature": 0, "max_tokens": max_tokens,
+                                              "messages": [{"role": "user", "content": text}]})
+    return r["choices"][0]["message"]["content"].strip()
+
+
+def haystack(n_sentences: int = 60) -> str:
+    filler = [f"Note {i}: the weather in town {i} was mild and the market opened on time." for i in range(n_sentences)]
+    filler.insert(n_sentences // 3, NEEDLE)
+    return " ".join(filler) + "\n\nWhat is the secret passcode? Answer with the number only."
+
+
+def capacity(info: dict, art_path: Path) -> str:
+    from .artifact import load_artifact
+    from .pool import bytes_per_token
+
+    art = load_artifact(art_path)
+    fp = art.model
+    states = (info.get("internal_states") or [{}])[0]
+    tokens = info.get("max_total_num_tokens") or states.get("max_total_num_tokens")
+    kv_gb = (states.get("memory_usage") or {}).get("kvcache")
+    tasq_b = bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers)
+    bf16_b = 2 * fp.num_kv_heads * fp.head_dim * 2 * fp.num_layers
+    lines = [f"[demo] KV bytes/token over {fp.num_layers} layers: TaSQ {tasq_b} vs bf16 {bf16_b} "
+             f"({bf16_b / tasq_b:.2f}x, codes + scale)"]
+    if tokens and kv_gb:
+        bf16_tokens = int(kv_gb * 2**30 // bf16_b)
+        lines.append(f"[demo] pool capacity: TaSQ {tokens} tokens in {kv_gb:.3f} GB (windows included) vs bf16 "
+                     f"{bf16_tokens} tokens in the same memory ({tokens / max(bf16_tokens, 1):.2f}x)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_tasq.demo", description=__doc__.split("\n")[0])
+    ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.1)
+    a = ap.parse_args(argv)
+    model_dir = resolve_model("smollm2-135m")
+    manifest = ensure_artifact(a.artifact, model_dir)
+    port = a.port or _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--tasq-config", str(manifest),
+           "--device", "cpu", "--attention-backend", "tasq", "--disable-cuda-graph", "--host", "127.0.0.1",
+           "--port", str(port), "--mem-fraction-static", str(a.mem_fraction_static), "--max-running-requests", "16"]
+    env = dict(os.environ, SGLANG_TASQ_WINDOW_ROWS=os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "16"))
+    print("[demo] " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        wait_ready(base, proc)
+        name = str(model_dir)
+        print(f"[demo] chat  > What is the capital of France?\n[demo] chat  < {chat(base, name, 'What is the capital of France?')}")
+        print(f"[demo] needle ({NEEDLE!r} hidden in ~{len(haystack().split())} words) < "
+              f"{chat(base, name, haystack(), max_tokens=16)}")
+        print(capacity(_get(base + "/get_server_info"), manifest))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        print("[demo] server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

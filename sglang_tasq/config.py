@@ -15,6 +15,7 @@ from dataclasses import dataclass
 WEIGHTINGS = ("diag", "dense", "none")
 SCALES = ("shared", "per_head", "none")
 GROUPINGS = ("covariance", "contiguous")
+KMEANS = ("tree", "flat")
 ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "dense_weighting")
 
 
@@ -42,10 +43,12 @@ class TaSQConfig:
     scale: str = "shared"  # one fp16 RMS scale per token across KV heads (sec. 4.2)
     grouping: str = "covariance"  # hierarchical matching over RoPE pairs (sec. 4.3)
     fisher: bool = True  # Fisher-weighted k-means (sec. 4.4)
-    kmeans_iters: int = 100
+    kmeans: str = "tree"  # two-level (sqrt(K) x sqrt(K)) or flat Lloyd; see calibrate/kmeans.py
+    kmeans_iters: int = 10  # Lloyd iterations (per level for "tree"); the paper runs 100 flat
     calib_tokens: int = 131072
     window_len: int = 2048
-    max_kmeans_samples: int = 131072  # per codebook; calibration subsamples above it
+    fisher_tokens: int = 32768  # tokens (of calib_tokens) that also get a backward pass
+    max_kmeans_samples: int = 16384  # points per codebook, Fisher-importance-sampled
     weight_floor: float = 1e-3  # floor on diag(A)/mean(diag(A)) before the square root
     sink_window: int = 64  # full-precision prefix tokens at serving time
     recent_window: int = 256  # full-precision most recent tokens at serving time
@@ -64,9 +67,11 @@ class TaSQConfig:
             raise ConfigError(f"weighting={self.weighting!r}: allowed {WEIGHTINGS}")
         if self.scale not in SCALES:
             raise ConfigError(f"scale={self.scale!r}: allowed {SCALES}")
+        if self.kmeans not in KMEANS:
+            raise ConfigError(f"kmeans={self.kmeans!r}: allowed {KMEANS}")
         if self.grouping not in GROUPINGS:
             raise ConfigError(f"grouping={self.grouping!r}: allowed {GROUPINGS}")
-        for name in ("kmeans_iters", "calib_tokens", "window_len", "max_kmeans_samples"):
+        for name in ("kmeans_iters", "calib_tokens", "window_len", "max_kmeans_samples", "fisher_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("sink_window", "recent_window"):
@@ -122,7 +127,9 @@ class TaSQConfig:
     def fast(cls, **kw) -> "TaSQConfig":
         """The documented fast preset for demos and CI: fewer tokens and Lloyd iterations."""
         kw.setdefault("calib_tokens", 16384)
-        kw.setdefault("kmeans_iters", 12)
+        kw.setdefault("fisher_tokens", 8192)
+        kw.setdefault("max_kmeans_samples", 4096)
+        kw.setdefault("kmeans_iters", 6)
         return cls(**kw)
 
     def to_dict(self) -> dict:

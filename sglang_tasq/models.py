@@ -52,7 +52,10 @@ def materialize_smollm2(force: bool = False) -> Path:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg = src.config
-    cfg.torch_dtype = torch.bfloat16
+    # The weights are dequantized; the GGUF quantization_config must not follow them.
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.dtype = torch.bfloat16
     # transformers refuses save_pretrained on a GGUF-loaded model: copy into a fresh one.
     dst = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)

@@ -1,0 +1,128 @@
+"""``python -m calibrate``: fit TaSQ codebooks and write one artifact; ``check`` validates one.
+
+    python -m calibrate --model smollm2-135m --out artifacts/smollm2 [--preset fast]
+    python -m calibrate check artifacts/smollm2/tasq.json [--model smollm2-135m]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from sglang_tasq.config import ABLATIONS, ConfigError, TaSQConfig
+
+PRESETS = ("default", "fast")
+
+
+def build_config(a: argparse.Namespace) -> TaSQConfig:
+    base = TaSQConfig.fast() if a.preset == "fast" else TaSQConfig()
+    if a.method == "cq":
+        base = dataclasses.replace(base, weighting="none", scale="none", grouping="contiguous", fisher=False)
+    if a.ablation:
+        base = base.ablation(a.ablation)
+    overrides = {"group_size_k": a.group_size, "group_size_v": a.group_size, "codebook_size_k": a.codebook_size,
+                 "codebook_size_v": a.codebook_size, "calib_tokens": a.tokens, "kmeans_iters": a.iters,
+                 "max_kmeans_samples": a.kmeans_samples, "fisher_tokens": a.fisher_tokens, "seed": a.seed,
+                 "sink_window": a.sink, "recent_window": a.recent}
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (embedded) or a local HF checkpoint dir")
+    ap.add_argument("--out", required=True, help="output directory (tasq.json + tasq.safetensors)")
+    ap.add_argument("--preset", choices=PRESETS, default="default",
+                    help="default: 128k tokens; fast: 16k tokens, fewer Lloyd iterations (demos, CI)")
+    ap.add_argument("--method", choices=("tasq", "cq"), default="tasq", help="cq: Coupled Quantization baseline")
+    ap.add_argument("--ablation", choices=ABLATIONS, help="remove one TaSQ component")
+    ap.add_argument("--corpus", choices=("wiki", "code"), default="wiki")
+    ap.add_argument("--group-size", type=int, help="channels per group, K and V (default 8)")
+    ap.add_argument("--codebook-size", type=int, help="centroids per codebook, K and V (default 1024)")
+    ap.add_argument("--tokens", type=int, help="calibration tokens")
+    ap.add_argument("--fisher-tokens", type=int, help="tokens that get a backward pass for the Fisher")
+    ap.add_argument("--iters", type=int, help="Lloyd iterations")
+    ap.add_argument("--kmeans-samples", type=int, help="points per codebook for k-means")
+    ap.add_argument("--sink", type=int, help="full-precision sink tokens at serving (default 64)")
+    ap.add_argument("--recent", type=int, help="full-precision recent tokens at serving (default 256)")
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def summary_lines(manifest: dict) -> list[str]:
+    m, c, cal = manifest["model"], manifest["config"], manifest["calibration"]
+    held = cal.get("heldout", {})
+    lines = [
+        f"model        {m['architecture']}  layers={m['num_layers']} q_heads={m['num_q_heads']} "
+        f"kv_heads={m['num_kv_heads']} head_dim={m['head_dim']} rope_theta={m['rope_theta']:g}",
+        f"quantizer    K: g={c['group_size_k']} K={c['codebook_size_k']}  V: g={c['group_size_v']} K={c['codebook_size_v']}  "
+        f"weighting={c['weighting']} scale={c['scale']} grouping={c['grouping']} fisher={c['fisher']}",
+        f"bits/elem    K {manifest['bits_k']:.4f}  V {manifest['bits_v']:.4f}  (bf16: 16; "
+        f"{32 / (manifest['bits_k'] + manifest['bits_v']):.1f}x smaller before windows)",
+        f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision",
+        f"calibration  {cal['corpus']}: {cal['tokens']:,} tokens ({cal.get('fisher_tokens', 0):,} with Fisher), "
+        f"seed {cal['seed']}, {cal['wall_time_s']:.0f} s",
+    ]
+    if held:
+        lines.append(f"held-out     key MSE {held.get('key_mse', float('nan')):.4f}  logit NMSE "
+                     f"{held.get('logit_nmse', float('nan')):.4f}  value MSE {held.get('value_mse', float('nan')):.4f}"
+                     f"  ({held.get('tokens', 0):,} tokens of {held.get('corpus', '?')})")
+        gc = held.get("group_cost_logdet")
+        if gc:
+            lines.append(f"grouping     sum log det: {gc['tasq']:.1f} (chosen) vs {gc['contiguous']:.1f} (contiguous pairs)")
+    st = cal.get("stage_times_s")
+    if st:
+        lines.append("stage times  " + "  ".join(f"{k} {v:.0f}s" for k, v in st.items()))
+    return lines
+
+
+def cmd_calibrate(argv) -> int:
+    a = _calibrate_parser().parse_args(argv)
+    try:
+        cfg = build_config(a)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from sglang_tasq.models import UnsupportedModelError
+
+    from . import pipeline
+
+    try:
+        res = pipeline.run(a.model, cfg, corpus=a.corpus, progress=not a.quiet,
+                           log=(lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr)))
+    except (UnsupportedModelError, ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    mpath = pipeline.write(res, a.out)
+    manifest = json.loads(mpath.read_text())
+    print(f"wrote {mpath} and {mpath.parent / manifest['tensors']['file']}")
+    print("\n".join(summary_lines(manifest)))
+    return 0
+
+
+def cmd_check(argv) -> int:
+    ap = argparse.ArgumentParser(prog="python -m calibrate check", description="Validate a TaSQ artifact.")
+    ap.add_argument("manifest", help="path to tasq.json (or its directory)")
+    ap.add_argument("--model", help="also check against this model ('smollm2-135m' or a local HF dir)")
+    a = ap.parse_args(argv)
+    from sglang_tasq.artifact import ArtifactError, load_artifact
+    from sglang_tasq.models import UnsupportedModelError, fingerprint, load_config, resolve_model
+
+    try:
+        fp = fingerprint(load_config(resolve_model(a.model))) if a.model else None
+        art = load_artifact(a.manifest, model=fp)
+    except (ArtifactError, UnsupportedModelError, FileNotFoundError) as e:
+        print(f"invalid: {e}", file=sys.stderr)
+        return 1
+    print(f"ok: {art.path}" + (f" matches {a.model}" if a.model else ""))
+    print("\n".join(summary_lines(art.manifest)))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "check":
+        return cmd_check(argv[1:])
+    return cmd_calibrate(argv)

@@ -56,13 +56,27 @@ def _tailor_all(keys: torch.Tensor, cb: codec.Codebooks, layer: int, chunk: int 
     return out
 
 
-def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print) -> Result:
+@dataclass
+class Prepared:
+    """Model facts and captured statistics; one capture serves many configs (ablations, CQ)."""
+
+    model: ModelFingerprint
+    model_path: Path
+    corpus: str
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    train: object  # Captured (calibration windows)
+    heldout: object  # Captured with queries (evaluation windows)
+    window_len: int
+    times: dict
+
+
+def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print,
+            dense: bool | None = None) -> Prepared:
+    """Load the model and capture ``cfg.calib_tokens`` tokens (Fisher on ``cfg.fisher_tokens``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t_start = time.time()
     times: dict = {}
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
     with _stage(times, "load", log):
         path = resolve_model(model)
         fp = fingerprint(load_config(path))
@@ -73,15 +87,38 @@ def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True
         W = cfg.window_len
         train = corpora.token_windows(tok, corpus, "train", W, max_tokens=cfg.calib_tokens)
         held = corpora.token_windows(tok, corpus, "heldout", W, max_tokens=EVAL_WINDOWS * W)
-    L, H, d, Hq = fp.num_layers, fp.num_kv_heads, fp.head_dim, fp.num_q_heads
     n_fisher = (cfg.fisher_tokens + W - 1) // W if cfg.fisher else 0
+    dense = cfg.weighting == "dense" if dense is None else dense
     with _stage(times, "capture", log):
         cap = capture(lm, train, inv_freq, fisher_windows=n_fisher,
-                      dense_pairs=DENSE_PAIRS_PER_WINDOW if cfg.weighting == "dense" else 0,
-                      seed=cfg.seed, progress=progress)
+                      dense_pairs=DENSE_PAIRS_PER_WINDOW if dense else 0, seed=cfg.seed, progress=progress)
         ev = capture(lm, held, inv_freq, store_queries=True, progress=progress)
-    del lm
+    return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times)
 
+
+def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print) -> Result:
+    """prepare + fit: one calibration from scratch."""
+    t0 = time.time()
+    prep = prepare(model, cfg, corpus, progress, log)
+    res = fit(prep, cfg, progress, log)
+    res.times = {**prep.times, **res.times, "total": round(time.time() - t0, 2)}
+    res.calibration["wall_time_s"] = res.times["total"]
+    res.calibration["stage_times_s"] = dict(res.times)
+    return res
+
+
+def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print) -> Result:
+    """Weights -> scale -> grouping -> k-means -> fold -> held-out errors, on captured data."""
+    t_start = time.time()
+    times: dict = {}
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    fp, cap, ev, W = prep.model, prep.train, prep.heldout, prep.window_len
+    if cfg.fisher and cap.fisher_k is None:
+        raise ValueError("config asks for Fisher weighting but the capture has no Fisher pass")
+    if cfg.weighting == "dense" and cap.q_dense_sums is None:
+        raise ValueError("config asks for dense weighting but the capture has no dense query moments")
+    L, H, d = fp.num_layers, fp.num_kv_heads, fp.head_dim
     gk, gv = cfg.group_size_k, cfg.group_size_v
     Gk, Gv = d // gk, d // gv
     with _stage(times, "weights", log):
@@ -94,7 +131,8 @@ def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True
             k_mix, k_unmix = weights.dense_mix(cap.q_dense_sums, cap.q_dense_count, cfg.weight_floor)
     ident = torch.arange(d).expand(L, H, d).clone()
     cb = codec.Codebooks(cfg, torch.zeros(L, H, Gk, cfg.codebook_size_k, gk), w, ident,
-                         torch.zeros(L, H, Gv, cfg.codebook_size_v, gv), inv_freq, att_scale, k_mix, k_unmix)
+                         torch.zeros(L, H, Gv, cfg.codebook_size_v, gv), prep.inv_freq, prep.attention_scaling,
+                         k_mix, k_unmix)
     with _stage(times, "scale+covariance", log):
         sig = torch.empty(L, H, d, d, dtype=torch.float64)
         for l in range(L):
@@ -102,9 +140,9 @@ def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True
             sig[l] = torch.einsum("nhi,nhj->hij", x, x) / x.shape[0]
     with _stage(times, "grouping", log):
         cb.k_perm = grouping.grouping(sig, gk, cfg.grouping)
+        contiguous = grouping.grouping(sig[:1, :1], gk, "contiguous")[0, 0]
         cost = {"tasq": sum(grouping.group_cost(sig[l, h], cb.k_perm[l, h], gk) for l in range(L) for h in range(H)),
-                "contiguous": sum(grouping.group_cost(sig[l, h], grouping.grouping(sig[:1, :1], gk, "contiguous")[0, 0], gk)
-                                  for l in range(L) for h in range(H))}
+                "contiguous": sum(grouping.group_cost(sig[l, h], contiguous, gk) for l in range(L) for h in range(H))}
     with _stage(times, "kmeans", log):
         k_tail = torch.empty(L, H, Gk, cfg.codebook_size_k, gk)
         v_cb = torch.empty(L, H, Gv, cfg.codebook_size_v, gv)
@@ -120,14 +158,15 @@ def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True
         errors = {k: sum(e[k] for e in errs) / L for k in errs[0]}
         errors["group_cost_logdet"] = cost
         errors["per_layer"] = errs
-    times["total"] = round(time.time() - t_start, 2)
-    calib = {"corpus": f"{corpus}/train", "tokens": cap.tokens, "fisher_tokens": n_fisher * W,
-             "windows": int(train.shape[0]), "window_len": W, "seed": cfg.seed,
-             "wall_time_s": times["total"], "stage_times_s": dict(times), "lm_loss": round(cap.loss, 4),
-             "heldout": {"corpus": f"{corpus}/heldout", "tokens": ev.tokens,
+    times["fit_total"] = round(time.time() - t_start, 2)
+    n_fisher_tok = cap.fisher_k.shape[1] if (cfg.fisher and cap.fisher_k is not None) else 0
+    calib = {"corpus": f"{prep.corpus}/train", "tokens": cap.tokens, "fisher_tokens": n_fisher_tok,
+             "windows": cap.tokens // W, "window_len": W, "seed": cfg.seed,
+             "wall_time_s": times["fit_total"], "stage_times_s": dict(times), "lm_loss": round(cap.loss, 4),
+             "heldout": {"corpus": f"{prep.corpus}/heldout", "tokens": ev.tokens,
                          **{k: v for k, v in errors.items() if k != "per_layer"}},
-             "host": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-             "torch": torch.__version__, "model_path": str(path)}
+             "host": f"{platform.machine()} {torch.get_num_threads()} threads",
+             "torch": torch.__version__, "model_path": str(prep.model_path)}
     return Result(cb, fp, calib, times, errors)
 
 

@@ -77,7 +77,10 @@ def _around_prepare_server_args(original, argv, *args, **kwargs):
         if not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in argv):
             argv += ["--attention-backend", launch.BACKEND_NAME]
     try:
-        return original(argv, *args, **kwargs)
+        server_args = original(argv, *args, **kwargs)
+        if launch.active():
+            launch.validate(server_args)
+        return server_args
     except launch.TaSQLaunchError as e:
         launch.refuse(e)
 

@@ -1,5 +1,7 @@
 # Two commands, each sets itself up on a fresh machine.
 PY := .venv/bin/python
+# OpenMP threads that spin while waiting slow torch down badly when processes share 2 cores.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: setup test test-all demo calibrate clean
 

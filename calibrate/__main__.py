@@ -1,5 +1,8 @@
+import os
 import sys
 
-from .cli import main
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+
+from .cli import main  # noqa: E402
 
 sys.exit(main())

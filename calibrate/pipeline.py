@@ -25,7 +25,7 @@ from . import corpora, evaluate, fold, grouping, kmeans, weights
 from .capture import capture
 
 DENSE_PAIRS_PER_WINDOW = 4096
-EVAL_WINDOWS = 2
+EVAL_WINDOWS = 1
 
 
 @dataclass

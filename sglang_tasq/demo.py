@@ -4,7 +4,7 @@
 
 1. materializes the model (:func:`models.resolve_model`);
 2. calibrates once if no artifact is cached (``python -m calibrate --model smollm2-135m
-   --out artifacts/smollm2 --fast``); if the calibration CLI is absent, writes a random-codebook
+   --out artifacts/smollm2 --preset fast``); if the calibration CLI is absent, writes a random-codebook
    artifact (wiring only: answers outside the full-precision windows are then garbage);
 3. launches ``python -m sglang.launch_server ... --tasq-config A --attention-backend tasq``
    on 127.0.0.1, sends a chat request and a needle-in-a-haystack request through the
@@ -39,7 +39,7 @@ def ensure_artifact(out: Path, model_dir: Path) -> Path:
 
     if importlib.util.find_spec("calibrate") is not None and (ROOT / "calibrate" / "__main__.py").is_file():
         print(f"[demo] calibrating -> {out} (once)", flush=True)
-        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out), "--fast"],
+        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out), "--preset", "fast"],
                        check=True, cwd=str(ROOT))
         return manifest
     print("[demo] calibrate CLI not found: writing RANDOM codebooks (wiring only, garbage outside windows)")

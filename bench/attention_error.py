@@ -1,0 +1,193 @@
+"""Decode-view attention for quality runs, and the per-layer attention error it measures.
+
+A serving engine reads token ``p`` at full precision while it is one of the first ``sink``
+tokens or among the ``recent`` most recent ones *at the time of the query*, and from its
+codes otherwise. One teacher-forced forward with a plain cache cannot show that (its
+windows are relative to the end of the sequence), so the harness runs every forward with:
+
+* :class:`ProbeCache`: a :class:`QuantizedKVCache` without windows whose buffers hold every
+  token as decoded from its codes (the cache's own encode/decode), plus an exact copy;
+* :func:`decode_view_attention`, registered with transformers as ``"tasq_decode_view"``:
+  query ``t`` attends to key ``p <= t`` exactly when ``p < sink`` or ``p >= t + 1 - recent``,
+  to the decoded key/value otherwise (fp32 softmax, queries in chunks). Windows "none"
+  (0+0) read every token, itself included, from codes.
+
+With :class:`AttnStats` attached it also records, per layer and per query-position bucket,
+the attention-logit error of the scores the query used against the scores with exact keys
+(same queries): NMSE = sum (s - s_exact)^2 / sum s_exact^2 over causal pairs, and
+KL(softmax(s_exact) || softmax(s)) averaged over queries and heads.
+
+Shapes: HF passes query [1, Hq, n, d] and the cache's key/value [1, H, T, d]; batch 1 only.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from sglang_tasq.baselines import KVMethod
+from sglang_tasq.hf_cache import QuantizedKVCache
+
+NAME = "tasq_decode_view"
+_ACTIVE: list = []
+
+
+class ProbeCache(QuantizedKVCache):
+    """Every token read from codes at once (no windows), plus an exact copy per layer."""
+
+    def __init__(self, method: KVMethod):
+        super().__init__(method, sink=0, recent=0, fresh_exact=False)
+        self.exact: dict = {}  # layer -> {"k": buf, "v": buf} [1, H, cap, d]
+        self.n_exact: dict = {}
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        kq, vq = super().update(key_states, value_states, layer_idx)
+        T0, n = self.n_exact.get(layer_idx, 0), key_states.shape[2]
+        bufs = self.exact.setdefault(layer_idx, {})
+        for name, x in (("k", key_states), ("v", value_states)):
+            buf = bufs.get(name)
+            if buf is None or buf.shape[2] < T0 + n:
+                new = x.new_empty((*x.shape[:2], max(2 * T0, T0 + n, 64), x.shape[3]))
+                if buf is not None:
+                    new[:, :, :T0] = buf[:, :, :T0]
+                bufs[name] = buf = new
+            buf[:, :, T0:T0 + n] = x
+        self.n_exact[layer_idx] = T0 + n
+        return kq, vq
+
+    def exact_kv(self, layer_idx: int):
+        T, b = self.n_exact[layer_idx], self.exact[layer_idx]
+        return b["k"][:, :, :T], b["v"][:, :, :T]
+
+
+class AttnStats:
+    """Sums per (layer, query bucket): squared logit error, squared exact logit, KL, queries."""
+
+    def __init__(self, num_layers: int, bucket: int = 512, max_len: int = 8192):
+        nb = -(-max_len // bucket)
+        self.bucket = bucket
+        self.err, self.ref, self.kl, self.n = (torch.zeros(num_layers, nb, dtype=torch.float64) for _ in range(4))
+
+    def add(self, layer: int, pos: torch.Tensor, err, ref, kl) -> None:
+        idx = (pos // self.bucket).clamp_max(self.err.shape[1] - 1)
+        for acc, x in ((self.err, err), (self.ref, ref), (self.kl, kl), (self.n, torch.ones_like(err))):
+            acc[layer].index_add_(0, idx, x.double())
+
+    def merge(self, other: "AttnStats") -> None:
+        for a, b in ((self.err, other.err), (self.ref, other.ref), (self.kl, other.kl), (self.n, other.n)):
+            a += b
+
+    def layer_nmse(self) -> list:
+        return (self.err.sum(1) / self.ref.sum(1).clamp_min(1e-30)).tolist()
+
+    def layer_kl(self) -> list:
+        return (self.kl.sum(1) / self.n.sum(1).clamp_min(1)).tolist()
+
+    def bucket_nmse(self) -> list:
+        """Per query bucket: mean over layers of that bucket's NMSE (buckets with queries)."""
+        used = self.n[0] > 0
+        return (self.err / self.ref.clamp_min(1e-30)).mean(0)[used].tolist()
+
+    def bucket_kl(self) -> list:
+        used = self.n[0] > 0
+        return (self.kl.sum(0) / self.n.sum(0).clamp_min(1))[used].tolist()
+
+
+@dataclass
+class Probe:
+    cache: ProbeCache
+    sink: int = 0
+    recent: int = 0
+    stats: Optional[AttnStats] = None
+    chunk: int = 256
+
+
+@contextmanager
+def active(probe: Probe):
+    """Route every model forward inside the block through ``probe``."""
+    _ACTIVE.append(probe)
+    try:
+        yield probe
+    finally:
+        _ACTIVE.pop()
+
+
+def _scores(q2, k, a: int, b: int, shape) -> torch.Tensor:
+    """q2 [H, G*c, d] x keys k[:, :b] -> [H, G, c, b] with the future of the diagonal block at -inf."""
+    S = torch.bmm(q2, k[:, :b].transpose(1, 2)).view(*shape, b)
+    upper = torch.arange(a, b)[None] > torch.arange(a, b)[:, None]
+    S[..., a:b].masked_fill_(upper, float("-inf"))
+    return S
+
+
+def _mix(q, kq, ke, vq, ve, a: int, b: int, sink: int, recent: int):
+    """Scores [H, G, c, b] (future at -inf), probabilities and output [H, G, c, d] of the
+    queries at positions [a, b): exact key/value where the decode-view windows say so."""
+    H, G, c, d = q.shape
+    q2 = q.reshape(H, G * c, d)
+    S = _scores(q2, kq, a, b, (H, G, c))
+    cols = E = None
+    if sink or recent:
+        lo = max(0, a + 1 - recent)
+        cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
+        t, pc = torch.arange(a, b)[:, None], cols[None]
+        E = ((pc < sink) | (pc >= t + 1 - recent)) & (pc <= t)  # [c, ncols] exact pairs
+        Se = torch.bmm(q2, ke[:, cols].transpose(1, 2)).view(H, G, c, -1)
+        S[..., cols] = torch.where(E, Se, S[..., cols])
+    P = torch.softmax(S, dim=-1)
+    out = torch.bmm(P.view(H, G * c, b), vq[:, :b]).view(H, G, c, d)
+    if cols is not None:
+        dv = (ve - vq)[:, cols]
+        out += torch.bmm((P[..., cols] * E).view(H, G * c, -1), dv).view(H, G, c, d)
+    return S, out
+
+
+def _stats(q, ke, S, a: int, b: int):
+    """Per query [c]: sum of squared logit error, sum of squared exact logits, mean KL over heads."""
+    H, G, c, d = q.shape
+    Sx = _scores(q.reshape(H, G * c, d), ke, a, b, (H, G, c))
+    fut = torch.isinf(Sx)
+    err = (S - Sx).masked_fill_(fut, 0.0).square_().sum((0, 1, 3))
+    ref = Sx.masked_fill(fut, 0.0).square_().sum((0, 1, 3))
+    lpx, lp = torch.log_softmax(Sx, -1), torch.log_softmax(S, -1)
+    kl = (lpx.exp() * (lpx - lp)).masked_fill_(fut, 0.0).sum(-1).mean((0, 1))
+    return err, ref, kl
+
+
+def decode_view_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function (see module docstring); plain SDPA when no probe is active."""
+    if not _ACTIVE:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    p = _ACTIVE[-1]
+    B, Hq, n, d = query.shape
+    if B != 1:
+        raise ValueError(f"decode-view attention runs one sequence at a time, got batch {B}")
+    H, T = key.shape[1], key.shape[2]
+    G, layer = Hq // H, module.layer_idx
+    scaling = d ** -0.5 if scaling is None else scaling
+    kx, vx = p.cache.exact_kv(layer)
+    q = query[0].float().reshape(H, G, n, d) * scaling
+    kq, vq, ke, ve = key[0].float(), value[0].float(), kx[0].float(), vx[0].float()
+    out = torch.empty(H, G, n, d)
+    for s in range(0, n, p.chunk):
+        e = min(n, s + p.chunk)
+        a, b = T - n + s, T - n + e
+        S, out[:, :, s:e] = _mix(q[:, :, s:e], kq, ke, vq, ve, a, b, p.sink, p.recent)
+        if p.stats is not None:
+            p.stats.add(layer, torch.arange(a, b), *_stats(q[:, :, s:e], ke, S, a, b))
+    return out.reshape(Hq, n, d).transpose(0, 1)[None].to(query.dtype), None
+
+
+AttentionInterface.register(NAME, decode_view_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_decode_view(model) -> None:
+    """Switch a loaded HF model to the decode-view attention (SDPA outside a probe)."""
+    model.set_attn_implementation(NAME)

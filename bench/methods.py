@@ -1,0 +1,152 @@
+"""The methods the quality harness compares, by name, and where each one's artifact comes from.
+
+Names (``parse``):
+
+* closed-form: ``bf16``, ``fp8_e4m3``, ``kivi2`` (:mod:`sglang_tasq.baselines`);
+* calibrated (one artifact each, made by ``python -m calibrate`` when missing): ``cq``
+  (Coupled Quantization at TaSQ's rate), ``tasq`` and the ablations ``tasq_no_weighting``,
+  ``tasq_no_shared_scale``, ``tasq_no_grouping``, ``tasq_no_fisher``,
+  ``tasq_dense_weighting``;
+* error localization on the ``tasq`` artifact: ``tasq_keys_only`` (values stay bf16),
+  ``tasq_values_only`` (keys stay bf16);
+* rate points: ``cq@g4k256``, ``tasq@g8k16``, ... (group size g, codebook size K, both
+  sides); ``@g8k1024`` is the reference rate and reuses the plain ``cq``/``tasq`` artifact.
+
+Artifacts live in ``<root>/<preset>/<artifact_name>/tasq.json`` unless a path is given for
+that artifact name (``overrides``). Window settings are ``"none"`` or ``"SINK+RECENT"``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from sglang_tasq.baselines import BASELINES, Identity, KVMethod, baseline
+from sglang_tasq.config import ABLATIONS
+
+REF_G, REF_K = 8, 1024
+ABLATION_METHODS = tuple(f"tasq_{a}" for a in ABLATIONS)
+METHODS = (*BASELINES, "cq", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only")
+_RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)$")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row of the comparison. ``calib`` is None for closed-form methods."""
+
+    name: str
+    closed_form: Optional[str] = None  # a baselines.BASELINES name
+    calib: Optional[str] = None  # "tasq" | "cq"
+    ablation: Optional[str] = None
+    group_size: int = REF_G
+    codebook_size: int = REF_K
+    keys: bool = True  # False: keys stay in the model dtype
+    values: bool = True
+
+    @property
+    def artifact_name(self) -> Optional[str]:
+        if self.calib is None:
+            return None
+        base = self.calib + (f"_{self.ablation}" if self.ablation else "")
+        rate = (self.group_size, self.codebook_size) != (REF_G, REF_K)
+        return base + (f"_g{self.group_size}k{self.codebook_size}" if rate else "")
+
+    def calibrate_argv(self, model: str, preset: str, out: Path) -> list[str]:
+        argv = [sys.executable, "-m", "calibrate", "--model", model, "--out", str(out), "--preset", preset,
+                "--method", self.calib, "--quiet"]
+        if self.ablation:
+            argv += ["--ablation", self.ablation]
+        if (self.group_size, self.codebook_size) != (REF_G, REF_K):
+            argv += ["--group-size", str(self.group_size), "--codebook-size", str(self.codebook_size)]
+        return argv
+
+    def expected_config(self) -> dict:
+        """Manifest config fields an artifact for this spec must have."""
+        from sglang_tasq.config import TaSQConfig
+
+        cfg = TaSQConfig.cq() if self.calib == "cq" else TaSQConfig()
+        if self.ablation:
+            cfg = cfg.ablation(self.ablation)
+        want = {k: getattr(cfg, k) for k in ("weighting", "scale", "grouping", "fisher")}
+        return {**want, "group_size_k": self.group_size, "codebook_size_k": self.codebook_size,
+                "group_size_v": self.group_size, "codebook_size_v": self.codebook_size}
+
+
+def parse(name: str) -> MethodSpec:
+    """A method name -> its spec; unknown names raise ValueError listing the allowed ones."""
+    if name in BASELINES:
+        return MethodSpec(name, closed_form=name)
+    if name in ("cq", "tasq"):
+        return MethodSpec(name, calib=name)
+    if name in ABLATION_METHODS:
+        return MethodSpec(name, calib="tasq", ablation=name[len("tasq_"):])
+    if name == "tasq_keys_only":
+        return MethodSpec(name, calib="tasq", values=False)
+    if name == "tasq_values_only":
+        return MethodSpec(name, calib="tasq", keys=False)
+    m = _RATE.match(name)
+    if m:
+        return MethodSpec(name, calib=m.group(1), group_size=int(m.group(2)), codebook_size=int(m.group(3)))
+    raise ValueError(f"method {name!r}: allowed {METHODS} or rate points like 'tasq@g8k256'")
+
+
+def parse_windows(setting: str) -> tuple[int, int]:
+    """'none' -> (0, 0); '64+256' -> (64, 256)."""
+    if setting == "none":
+        return 0, 0
+    m = re.fullmatch(r"(\d+)\+(\d+)", setting)
+    if not m:
+        raise ValueError(f"window setting {setting!r}: allowed 'none' or 'SINK+RECENT' such as '64+256'")
+    return int(m.group(1)), int(m.group(2))
+
+
+def artifact_dir(spec: MethodSpec, root: Path, preset: str, overrides: Optional[dict] = None) -> Optional[Path]:
+    if spec.artifact_name is None:
+        return None
+    if overrides and spec.artifact_name in overrides:
+        return Path(overrides[spec.artifact_name])
+    return Path(root) / preset / spec.artifact_name
+
+
+def ensure_artifact(spec: MethodSpec, model: str, preset: str, root: Path, overrides: Optional[dict] = None,
+                    log=print) -> Optional[Path]:
+    """The spec's artifact directory, calibrating it in a subprocess when tasq.json is missing.
+    A present artifact whose config disagrees with the spec raises ValueError."""
+    out = artifact_dir(spec, root, preset, overrides)
+    if out is None:
+        return None
+    manifest = out / "tasq.json"
+    if not manifest.is_file():
+        argv = spec.calibrate_argv(model, preset, out)
+        log(f"[methods] calibrating {spec.artifact_name}: {' '.join(argv[1:])}")
+        res = subprocess.run(argv, capture_output=True, text=True)
+        if res.returncode != 0 or not manifest.is_file():
+            raise RuntimeError(f"calibration of {spec.artifact_name} failed (rc {res.returncode}): {res.stderr[-2000:]}")
+    got = json.loads(manifest.read_text())["config"]
+    bad = {k: (v, got.get(k)) for k, v in spec.expected_config().items() if got.get(k) != v}
+    if bad:
+        raise ValueError(f"artifact {manifest} does not fit method {spec.name}: (want, has) {bad}")
+    return out
+
+
+def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None) -> KVMethod:
+    """The KVMethod the caches run for this spec (``artifact`` required for calibrated ones)."""
+    if spec.closed_form:
+        return baseline(spec.closed_form)
+    if artifact is None:
+        raise ValueError(f"method {spec.name} needs an artifact")
+    from sglang_tasq.artifact import load_artifact
+    from sglang_tasq.hf_cache import TaSQKeys, TaSQValues
+
+    cb = load_artifact(artifact, model=fingerprint).codebooks
+    return KVMethod(TaSQKeys(cb) if spec.keys else Identity(), TaSQValues(cb) if spec.values else Identity(), spec.name)
+
+
+def bits(method: KVMethod, num_kv_heads: int, head_dim: int) -> tuple[float, float]:
+    """(bits per key element, bits per value element), metadata included."""
+    k, v = method.bits(num_kv_heads, head_dim)
+    return round(k, 4), round(v, 4)

@@ -1,0 +1,220 @@
+"""``python -m bench.quality``: the KV-cache quality suite (config in, files out, resumable).
+
+    python -m bench.quality --quick                      # CI smoke: bf16/CQ/TaSQ, fast artifacts
+    python -m bench.quality                              # everything on SmolLM2-135M (hours on CPU)
+    python -m bench.quality --methods bf16,tasq --benches perplexity --artifact tasq=artifacts/smollm2
+
+Every method (``bench.methods``) is run with windows "none" and "64+256" through
+perplexity (+ next-token KL, top-1, per-layer attention error), RULER NIAH, error by
+position beyond the calibration length, and a CQ/TaSQ rate sweep. Results go to
+``bench/results/quality/<config name>/``: ``config.json``, ``items/`` (one JSON per finished
+unit of work, skipped when present), ``work/`` (bf16 reference log-probs, not committed),
+``metrics.json``, ``summary.json``/``summary.md``, PNG plots. The headline copy is
+``bench/results/quality/summary.json`` (+ ``summary.md``); a quick run does not replace a
+full run's headline.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from . import methods as M
+from . import niah, perplexity, positions, rate_sweep, report, ruler
+
+RESULTS = Path(__file__).resolve().parent / "results" / "quality"
+BENCHES = ("perplexity", "ruler", "positions", "rate_sweep")
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """Everything that decides the numbers. ``name()`` is the results folder."""
+
+    model: str = "smollm2-135m"
+    preset: str = "default"  # calibration preset of the artifacts made on demand
+    methods: tuple = M.METHODS
+    benches: tuple = BENCHES
+    ppl_len: int = 2048
+    ppl_windows: int = 16
+    ood_windows: int = 8
+    kl_stride: int = 32
+    niah_lengths: tuple = (1024, 2048, 4096, 8192)
+    niah_samples: int = 2
+    niah_tasks: tuple = tuple(niah.TASKS)
+    niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
+    pos_len: int = 8192
+    pos_windows: int = 2
+    pos_stride: int = 16
+    pos_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq")
+    sweep_methods: tuple = ("cq", "tasq")
+    sweep_points: tuple = rate_sweep.DEFAULT_POINTS
+    sweep_windows: int = 8
+    artifacts: tuple = ()  # ((artifact_name, path), ...) overrides
+    artifact_root: str = "artifacts/quality"
+    quick: bool = False
+
+    def __post_init__(self):
+        for m in self.methods:
+            M.parse(m)
+        bad = set(self.benches) - set(BENCHES)
+        if bad:
+            raise ValueError(f"benches {sorted(bad)}: allowed {BENCHES}")
+        if self.preset not in ("default", "fast"):
+            raise ValueError(f"preset {self.preset!r}: allowed 'default', 'fast'")
+
+    def name(self) -> str:
+        d = dataclasses.asdict(self)
+        d.pop("artifacts"), d.pop("artifact_root")  # where artifacts live does not change results
+        h = hashlib.sha1(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:8]
+        tag = "quick" if self.quick else "full"
+        return f"{self.model}_{tag}_{self.preset}_{h}"
+
+
+QUICK = dict(preset="fast", methods=("bf16", "cq", "tasq"), benches=("perplexity", "ruler"), ppl_windows=4,
+             ood_windows=2, niah_lengths=(1024, 2048), niah_samples=1, niah_methods=(), quick=True)
+
+
+@dataclass
+class Context:
+    """What the benchmark modules share: model, tokenizer, built methods, bits, run folder."""
+
+    cfg: QualityConfig
+    model: object
+    tok: object
+    methods: dict  # name -> KVMethod (main comparison)
+    sweep: dict  # name -> KVMethod (rate points)
+    bits: dict  # name -> (bits_k, bits_v)
+    run_dir: Path
+    log: Callable = field(default=print)
+
+
+def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=None) -> Context:
+    from sglang_tasq.models import fingerprint, load_config, resolve_model
+
+    if model is None:
+        model, tok = perplexity.load_model(cfg.model)
+    H = model.config.num_key_value_heads
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    overrides = dict(cfg.artifacts)
+    sweep_names = rate_sweep.names(cfg.sweep_methods, cfg.sweep_points) if "rate_sweep" in cfg.benches else []
+    calibrated = any(M.parse(n).calib for n in [*cfg.methods, *sweep_names])
+    fp = fingerprint(load_config(resolve_model(cfg.model))) if calibrated else None
+    built, bits = {}, {}
+    for name in dict.fromkeys([*cfg.methods, *sweep_names]):
+        spec = M.parse(name)
+        art = M.ensure_artifact(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, log)
+        built[name] = M.build(spec, art, fp)
+        bits[name] = M.bits(built[name], H, d)
+    return Context(cfg, model, tok, {m: built[m] for m in cfg.methods}, {m: built[m] for m in sweep_names},
+                   bits, run_dir, log)
+
+
+def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=None) -> dict:
+    """Run (or resume) the suite; returns the metrics dict also written to metrics.json."""
+    run_dir = Path(results) / cfg.name()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    report.write_json(run_dir / "config.json", dataclasses.asdict(cfg))
+    t0 = time.time()
+    ctx = build_context(cfg, run_dir, log, model, tok)
+    ppl = perplexity.run(ctx) if "perplexity" in cfg.benches else {}
+    nia = ruler.run(ctx) if "ruler" in cfg.benches else {}
+    pos = positions.run(ctx) if "positions" in cfg.benches else {}
+    sweep = rate_sweep.run(ctx) if "rate_sweep" in cfg.benches else []
+    rows = report.summary_rows(cfg.methods, ctx.bits, ppl, nia)
+    tg = report.targets(rows)
+    import platform
+
+    import torch
+
+    env = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "device": "cpu", "dtype": "bfloat16 model, fp32 attention"}
+    header = (f"# KV quality: {cfg.model}, run {cfg.name()}\n\nWindows 'none' read every token from codes; '64+256' keeps "
+              f"64 sink + 256 recent tokens exact per query (decode view). PPL on {cfg.ppl_windows} x {cfg.ppl_len} "
+              f"held-out wiki tokens and {cfg.ood_windows} x {cfg.ppl_len} held-out stdlib code; NIAH: "
+              f"{cfg.niah_samples} sample(s) per task and length. Artifacts: preset '{cfg.preset}'. "
+              f"Hardware: {env['cpu']}, {env['threads']} threads, torch {env['torch']}.")
+    plain_ruler = {m: {s: {k: {kk: vv for kk, vv in r.items() if kk != "preds"} for k, r in by_l.items()}
+                       for s, by_l in by_s.items()} for m, by_s in nia.items()}
+    metrics = {"config": dataclasses.asdict(cfg), "env": env, "summary": rows, "targets": tg, "perplexity": ppl,
+               "ruler": plain_ruler, "positions": pos, "rate_sweep": sweep, "wall_s": round(time.time() - t0, 1)}
+    report.write_json(run_dir / "metrics.json", metrics)
+    bf = next((r["ppl_wiki"] for r in rows if r["method"] == "bf16"), None)
+    metrics["plots"] = report.plots(run_dir, ppl, plain_ruler, pos, sweep, bf)
+    md = report.markdown(rows, tg, plain_ruler, sweep, header)
+    report.write_json(run_dir / "summary.json", rows)
+    (run_dir / "summary.md").write_text(md)
+    _headline(cfg, run_dir, rows, md)
+    return metrics
+
+
+def _headline(cfg: QualityConfig, run_dir: Path, rows: list, md: str) -> None:
+    top = run_dir.parent / "summary.json"
+    if cfg.quick and top.is_file():
+        prev = json.loads(top.read_text())
+        if isinstance(prev, list) and prev and not prev[0].get("quick", True):
+            return
+    report.write_json(top, [{**r, "run": run_dir.name, "quick": cfg.quick} for r in rows])
+    shutil.copyfile(run_dir / "summary.md", run_dir.parent / "summary.md")
+
+
+def _tuple(s: str, conv=str) -> tuple:
+    return tuple(conv(x) for x in s.split(",") if x)
+
+
+def parse_args(argv=None) -> tuple[QualityConfig, Path]:
+    ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CI preset: bf16/cq/tasq, 4 PPL windows, NIAH 1k/2k x 1")
+    ap.add_argument("--model")
+    ap.add_argument("--preset", choices=("default", "fast"))
+    ap.add_argument("--methods", help=f"comma list of {M.METHODS} or rate points like tasq@g8k256")
+    ap.add_argument("--benches", help=f"comma list of {BENCHES}")
+    ap.add_argument("--ppl-windows", type=int)
+    ap.add_argument("--ood-windows", type=int)
+    ap.add_argument("--niah-lengths", help="comma list, e.g. 1024,2048")
+    ap.add_argument("--niah-samples", type=int)
+    ap.add_argument("--niah-tasks", help="comma list of tasks (default all 8)")
+    ap.add_argument("--niah-methods", help="comma list; empty string = all methods")
+    ap.add_argument("--pos-windows", type=int)
+    ap.add_argument("--sweep-windows", type=int)
+    ap.add_argument("--artifact", action="append", default=[], help="NAME=DIR: use this artifact (e.g. tasq=artifacts/smollm2)")
+    ap.add_argument("--artifact-root")
+    ap.add_argument("--results", default=str(RESULTS))
+    a = ap.parse_args(argv)
+    kw = dict(QUICK) if a.quick else {}
+    simple = {"model": a.model, "preset": a.preset, "ppl_windows": a.ppl_windows, "ood_windows": a.ood_windows,
+              "niah_samples": a.niah_samples, "pos_windows": a.pos_windows, "sweep_windows": a.sweep_windows,
+              "artifact_root": a.artifact_root}
+    kw.update({k: v for k, v in simple.items() if v is not None})
+    for key, val, conv in (("methods", a.methods, str), ("benches", a.benches, str), ("niah_lengths", a.niah_lengths, int),
+                           ("niah_tasks", a.niah_tasks, str), ("niah_methods", a.niah_methods, str)):
+        if val is not None:
+            kw[key] = _tuple(val, conv)
+    arts = []
+    for item in a.artifact:
+        if "=" not in item:
+            raise SystemExit(f"--artifact {item!r}: expected NAME=DIR")
+        arts.append(tuple(item.split("=", 1)))
+    kw["artifacts"] = tuple(arts)
+    return QualityConfig(**kw), Path(a.results)
+
+
+def main(argv=None) -> int:
+    cfg, results = parse_args(argv)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"[quality] run {cfg.name()} -> {results / cfg.name()}")
+    m = run(cfg, results, log)
+    print((results / cfg.name() / "summary.md").read_text())
+    print(f"wall {m['wall_s']} s; plots: {', '.join(m['plots'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Files out for the quality suite: cached item JSONs, the summary rows, targets, the
+markdown report and PNG plots (rate vs PPL, per-layer NMSE, NIAH, error by position)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+SETTINGS = ("none", "64+256")
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def cached(path: Path, work):
+    """The JSON at ``path`` if present (work already done), else ``work()`` written there."""
+    path = Path(path)
+    if path.is_file():
+        return json.loads(path.read_text())
+    out = work()
+    write_json(path, out)
+    return out
+
+
+def summary_rows(methods, bits: dict, ppl: dict, niah: dict) -> list:
+    """One row per (method, window setting) with the headline metrics."""
+    rows = []
+    for name in methods:
+        for s in SETTINGS:
+            w = ppl.get("wiki", {}).get(name, {}).get(s, {})
+            o = ppl.get("ood", {}).get(name, {}).get(s, {})
+            n = niah.get(name, {}).get(s, {})
+            rows.append({"method": name, "windows": s, "bits_k": bits[name][0], "bits_v": bits[name][1],
+                         "ppl_wiki": w.get("ppl"), "ppl_ood": o.get("ppl"), "logit_nmse": w.get("logit_nmse"),
+                         "attn_kl": w.get("attn_kl"), "token_kl": w.get("token_kl"),
+                         "top1_agree": w.get("top1_agree"), "niah": {k: v["avg"] for k, v in n.items()}})
+    return rows
+
+
+def targets(rows: list) -> list:
+    """The issue's targets, each with the numbers and whether it is met (None: not measured)."""
+    by = {(r["method"], r["windows"]): r for r in rows}
+    out = []
+
+    def get(m, s, k):
+        r = by.get((m, s))
+        return None if r is None else r.get(k)
+
+    for s in SETTINGS:
+        b, c, t = (get(m, s, "ppl_wiki") for m in ("bf16", "cq", "tasq"))
+        ok = None if None in (b, c, t) else (t - b) <= 0.5 * (c - b)
+        out.append({"target": f"TaSQ PPL increase <= half of CQ's (windows {s})", "met": ok,
+                    "value": None if ok is None else f"TaSQ +{t - b:.3f}, CQ +{c - b:.3f}"})
+    b, t = get("bf16", "64+256", "ppl_wiki"), get("tasq", "64+256", "ppl_wiki")
+    out.append({"target": "TaSQ PPL <= 1.10x bf16 with windows", "met": None if None in (b, t) else t <= 1.10 * b,
+                "value": None if None in (b, t) else f"{t / b:.3f}x"})
+    nb, nt = get("bf16", "64+256", "niah") or {}, get("tasq", "64+256", "niah") or {}
+    common = sorted(set(nb) & set(nt), key=int)
+    out.append({"target": "TaSQ NIAH with windows >= 95% of bf16 at every length",
+                "met": None if not common else all(nt[k] >= 0.95 * nb[k] for k in common),
+                "value": ", ".join(f"{k}: {nt[k]:.1f} vs {nb[k]:.1f}" for k in common) or None})
+    for s in SETTINGS:
+        t = get("tasq", s, "ppl_wiki")
+        for m in sorted({r["method"] for r in rows if r["method"].startswith("tasq_") and "only" not in r["method"]}):
+            a = get(m, s, "ppl_wiki")
+            out.append({"target": f"{m} worse than TaSQ (windows {s})", "met": None if None in (a, t) else a >= t,
+                        "value": None if None in (a, t) else f"{a:.3f} vs {t:.3f}"})
+    return out
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> str:
+    lengths = sorted({k for r in rows for k in r["niah"]}, key=int)
+    cols = ["method", "windows", "bits K", "bits V", "PPL wiki", "PPL code", "logit NMSE", "attn KL",
+            "token KL", "top-1", *[f"NIAH {k}" for k in lengths]]
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join([r["method"], r["windows"], _f(r["bits_k"]), _f(r["bits_v"]),
+                                         _f(r["ppl_wiki"]), _f(r["ppl_ood"]), _f(r["logit_nmse"], "{:.4f}"),
+                                         _f(r["attn_kl"], "{:.4f}"), _f(r["token_kl"], "{:.4f}"),
+                                         _f(r["top1_agree"]), *[_f(r["niah"].get(k), "{:.1f}") for k in lengths]])
+                     + " |")
+    lines += ["", "## Targets", ""] + [f"- {t['target']}: **{ {True: 'met', False: 'not met', None: 'not measured'}[t['met']] }**"
+                                       + (f" ({t['value']})" if t["value"] else "") for t in tgts]
+    if ruler:
+        tasks = sorted({t for m in ruler.values() for s in m.values() for r in s.values() for t in r["tasks"]})
+        lines += ["", "## NIAH by task (string_match_all, 0-100)", "",
+                  "| method | windows | length | " + " | ".join(t.replace("niah_", "") for t in tasks) + " |",
+                  "|" + "---|" * (3 + len(tasks))]
+        for m, by_s in ruler.items():
+            for s, by_l in by_s.items():
+                for length, r in by_l.items():
+                    lines.append(f"| {m} | {s} | {length} | " + " | ".join(_f(r["tasks"].get(t), "{:.0f}") for t in tasks) + " |")
+    if sweep:
+        lines += ["", "## Rate sweep (held-out Wikipedia)", "", "| method | windows | g | K | bits K | bits V | PPL | logit NMSE |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['windows']} | {r['g']} | {r['K']} | {_f(r['bits_k'])} | {_f(r['bits_v'])} | "
+                  f"{_f(r['ppl'])} | {_f(r['logit_nmse'], '{:.4f}')} |" for r in sweep]
+    return "\n".join(lines) + "\n"
+
+
+def plots(out: Path, ppl: dict, ruler: dict, positions: dict, sweep: list, bf16_ppl=None, calib_len: int = 2048) -> list:
+    """PNG files written under ``out``; returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for base in sorted({r["base"] for r in sweep}):
+            for s, ls in zip(SETTINGS, ("--", "-")):
+                pts = sorted(((r["bits_k"] + r["bits_v"]) / 2, r["ppl"]) for r in sweep if r["base"] == base and r["windows"] == s)
+                if pts:
+                    ax.plot(*zip(*pts), ls, marker="o", label=f"{base} ({s})")
+        if bf16_ppl:
+            ax.axhline(bf16_ppl, color="k", lw=0.8, label="bf16")
+        ax.set(xlabel="bits / element (mean of K, V)", ylabel="PPL (held-out wiki)", yscale="log", title="Rate vs perplexity")
+        ax.legend(fontsize=7)
+        save(fig, "rate_vs_ppl.png")
+    wiki = ppl.get("wiki", {})
+    if wiki:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for m, by_s in wiki.items():
+            ln = by_s.get("none", {}).get("layer_nmse")
+            if ln and m != "bf16":
+                ax.plot(range(len(ln)), ln, marker=".", label=m)
+        ax.set(xlabel="layer", ylabel="attention-logit NMSE (windows none)", yscale="log", title="Per-layer logit NMSE")
+        ax.legend(fontsize=6, ncol=2)
+        save(fig, "layer_nmse.png")
+    if ruler:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for m, by_s in ruler.items():
+            for s, ls in zip(SETTINGS, ("--", "-")):
+                r = by_s.get(s)
+                if r:
+                    ks = sorted(r, key=int)
+                    axes[0].plot([int(k) for k in ks], [r[k]["avg"] for k in ks], ls, marker="o", label=f"{m} ({s})")
+        axes[0].set(xscale="log", xlabel="context length", ylabel="NIAH avg (8 tasks)", title="NIAH by length")
+        axes[0].legend(fontsize=6)
+        names = [(m, s) for m, by_s in ruler.items() for s in by_s]
+        tasks = sorted({t for m, s in names for r in ruler[m][s].values() for t in r["tasks"]})
+        w = 0.8 / max(1, len(names))
+        for i, (m, s) in enumerate(names):
+            vals = [sum(r["tasks"][t] for r in ruler[m][s].values()) / len(ruler[m][s]) for t in tasks]
+            axes[1].bar([j + i * w for j in range(len(tasks))], vals, w, label=f"{m} ({s})")
+        axes[1].set_xticks([j + 0.4 for j in range(len(tasks))], [t.replace("niah_", "") for t in tasks], rotation=30, fontsize=7)
+        axes[1].set(ylabel="score (mean over lengths)", title="NIAH by task")
+        save(fig, "niah.png")
+    if positions:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for m, by_s in positions.items():
+            if m == "bf16":
+                continue
+            for s, ls in zip(SETTINGS, ("--", "-")):
+                r = by_s.get(s)
+                if r:
+                    b = r["bucket"]
+                    axes[0].plot([b * (i + 0.5) for i in range(len(r["token_kl_by_pos"]))], r["token_kl_by_pos"], ls, label=f"{m} ({s})")
+                    axes[1].plot([b * (i + 0.5) for i in range(len(r["bucket_nmse"]))], r["bucket_nmse"], ls, label=f"{m} ({s})")
+        for ax, y in zip(axes, ("next-token KL vs bf16", "attention-logit NMSE (mean over layers)")):
+            ax.axvline(calib_len, color="k", lw=0.8)
+            ax.set(xlabel="position", ylabel=y, yscale="log", title=f"Error by position (calibrated at {calib_len})")
+        axes[0].legend(fontsize=6)
+        save(fig, "error_by_position.png")
+    return made

@@ -1,0 +1,91 @@
+"""RULER NIAH (all 8 tasks, ``string_match_all``) over the HF model with each KV method.
+
+Samples come from :mod:`bench.niah` (chat-formatted for the instruct model, sized so prompt +
+128 generated tokens fit the target length). Generation is greedy, at most 128 new tokens,
+through the decode-view attention of :mod:`bench.attention_error`: every prompt token and
+every generated token attends as a serving engine's decode step would (sink + recent
+windows exact, the rest from codes). It stops at an end-of-sequence token, or as soon as
+every gold string already appears in the output: ``string_match_all`` only tests presence,
+so later tokens could not change the score (this only saves time).
+"""
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import torch
+
+from . import niah
+from .attention_error import Probe, ProbeCache, active
+
+
+@lru_cache(maxsize=64)
+def _samples(tok, task: str, length: int, n: int) -> tuple:
+    return tuple(niah.generate_samples(task, tok, length, n, formatter=niah.chat_formatter(tok)))
+
+
+def _eos_ids(model, tok) -> set:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    return ids | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+
+
+def _found_all(text: str, gold) -> bool:
+    low = niah.postprocess(text).lower()
+    return all(g.lower() in low for g in gold)
+
+
+@torch.no_grad()
+def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max_new: int = 128) -> str:
+    """Greedy continuation of ``prompt`` (no special tokens added) under ``method``."""
+    ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
+    eos, out = _eos_ids(model, tok), []
+    cache = ProbeCache(method)
+    with active(Probe(cache, sink, recent)):
+        h = model.model(input_ids=ids[None], past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
+        for _ in range(max_new):
+            nxt = int(model.lm_head(h).argmax())
+            if nxt in eos:
+                break
+            out.append(nxt)
+            if gold and _found_all(tok.decode(out, skip_special_tokens=True), gold):
+                break
+            h = model.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
+                            use_cache=True).last_hidden_state[0, -1]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, tasks=tuple(niah.TASKS)) -> dict:
+    """{'tasks': {task: 0-100}, 'avg': mean over tasks, 'preds': [...], 'seconds'}."""
+    t0, scores, preds = time.time(), {}, []
+    for task in tasks:
+        samples = _samples(tok, task, length, n)
+        outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"], s["max_new_tokens"])
+                for s in samples]
+        scores[task] = niah.string_match_all(outs, [s["outputs"] for s in samples])
+        preds += [{"task": task, "index": s["index"], "length": s["length"], "gold": s["outputs"], "pred": o}
+                  for s, o in zip(samples, outs)]
+    return {"tasks": scores, "avg": sum(scores.values()) / len(scores), "samples_per_task": n,
+            "length": length, "preds": preds, "seconds": round(time.time() - t0, 1)}
+
+
+def run(ctx, settings=("none", "64+256")) -> dict:
+    """Every (length, method, setting) not yet done -> item JSON. {method: {setting: {length: result}}}."""
+    from .methods import parse_windows
+    from .report import cached
+
+    cfg, res = ctx.cfg, {}
+    names = [m for m in ctx.methods if m in cfg.niah_methods] if cfg.niah_methods else list(ctx.methods)
+    for length in cfg.niah_lengths:
+        for name in names:
+            for setting in settings:
+                key = "none" if name == "bf16" else setting
+                path = ctx.run_dir / "items" / "ruler" / f"{name}__{key}__{length}.json"
+
+                def work():
+                    ctx.log(f"[ruler] {name} windows={key} length={length} n={cfg.niah_samples}")
+                    return evaluate(ctx.model, ctx.tok, ctx.methods[name], *parse_windows(key), length,
+                                    cfg.niah_samples, cfg.niah_tasks)
+
+                res.setdefault(name, {}).setdefault(setting, {})[str(length)] = cached(path, work)
+    return res

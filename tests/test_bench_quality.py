@@ -1,0 +1,170 @@
+"""Quality harness on a tiny random Llama: decode-view attention agrees with SDPA and with a
+token-by-token cache, bf16 against itself is exactly zero error, metrics are finite,
+finished work is skipped, method names parse, reports are written."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from bench import attention_error as ae
+from bench import methods as M
+from bench import perplexity, report, ruler
+from sglang_tasq.baselines import baseline
+from sglang_tasq.config import TaSQConfig
+from sglang_tasq.hf_cache import QuantizedKVCache, TaSQCache
+from sglang_tasq.testing import random_codebooks
+
+V = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)
+    m = LlamaForCausalLM(cfg).eval()
+    ae.use_decode_view(m)
+    return m
+
+
+def _ids(T, seed=0):
+    return torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(seed))
+
+
+def _probe_logits(model, ids, method, sink, recent, stats=None, chunk=64):
+    cache = ae.ProbeCache(method)
+    with torch.no_grad(), ae.active(ae.Probe(cache, sink, recent, stats, chunk=chunk)):
+        return model(ids[None], past_key_values=cache).logits[0]
+
+
+def test_bf16_probe_matches_sdpa_and_has_zero_error(model):
+    ids = _ids(150)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]  # no probe active: plain SDPA
+    for sink, recent in [(0, 0), (4, 16)]:
+        st = ae.AttnStats(2, 32, 150)
+        out = _probe_logits(model, ids, baseline("bf16"), sink, recent, st, chunk=37)
+        assert torch.allclose(out, ref, atol=1e-5)
+        assert st.layer_nmse() == [0.0, 0.0] and st.layer_kl() == [0.0, 0.0]
+
+
+def test_windows_covering_everything_are_exact(model):
+    ids = _ids(100, 1)
+    ref = _probe_logits(model, ids, baseline("bf16"), 0, 0)
+    assert torch.allclose(_probe_logits(model, ids, baseline("kivi2"), 0, 100), ref, atol=1e-5)
+    assert not torch.allclose(_probe_logits(model, ids, baseline("kivi2"), 0, 0), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("sink,recent", [(4, 8), (0, 1)])
+def test_probe_equals_token_by_token_serving_cache(model, sink, recent):
+    """Query t of one probe forward sees what decode step t of a serving-style cache sees."""
+    cb = random_codebooks(2, 2, 16, config=TaSQConfig(codebook_size_k=64, codebook_size_v=64), seed=3)
+    ids = _ids(40, 2)
+    method = TaSQCache(cb).method
+    probe = _probe_logits(model, ids, method, sink, recent, chunk=16)
+    cache = QuantizedKVCache(method, sink=sink, recent=recent, fresh_exact=True)
+    with torch.no_grad():
+        steps = [model(ids[None, t:t + 1], past_key_values=cache).logits[0, 0] for t in range(40)]
+    assert torch.allclose(probe, torch.stack(steps), atol=1e-4)
+
+
+def test_evaluate_metrics_finite_and_bf16_zero(model, tmp_path):
+    wins = torch.stack([_ids(96, 5), _ids(96, 6)])
+    ref = perplexity.evaluate(model, wins, baseline("bf16"), 0, 0, tmp_path, "t", stride=8, bucket=32)
+    assert ref["token_kl"] == 0.0 and ref["top1_agree"] == 1.0 and ref["logit_nmse"] == 0.0
+    assert ref["attn_kl"] == 0.0 and math.isfinite(ref["ppl"]) and ref["tokens"] == 2 * 95
+    assert len(list(tmp_path.glob("ref_t_96_s8_*.safetensors"))) == 2
+    for name, win in [("kivi2", (0, 0)), ("fp8_e4m3", (4, 16))]:
+        r = perplexity.evaluate(model, wins, baseline(name), *win, tmp_path, "t", stride=8, bucket=32)
+        assert all(math.isfinite(r[k]) for k in ("ppl", "token_kl", "logit_nmse", "attn_kl", "top1_agree"))
+        assert r["token_kl"] > 0 and r["logit_nmse"] > 0 and len(r["layer_nmse"]) == 2
+        assert len(r["token_kl_by_pos"]) == 3 and len(r["bucket_nmse"]) == 3
+    kivi_none = perplexity.evaluate(model, wins, baseline("kivi2"), 0, 0, tmp_path, "t", stride=8)
+    kivi_win = perplexity.evaluate(model, wins, baseline("kivi2"), 4, 16, tmp_path, "t", stride=8)
+    assert kivi_win["logit_nmse"] < kivi_none["logit_nmse"]
+
+
+class _Tok:
+    """Characters as tokens (enough for greedy decoding on the tiny model)."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % V for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_greedy_matches_generate_for_bf16(model):
+    prompt = "some prompt text for the tiny model"
+    ids = torch.tensor([[ord(c) % V for c in prompt]])
+    model.generation_config.eos_token_id = None
+    want = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = ruler.greedy(model, _Tok(), prompt, baseline("bf16"), 0, 0, max_new=12)
+    assert got == _Tok().decode(want[0, ids.shape[1]:].tolist())
+    assert len(ruler.greedy(model, _Tok(), prompt, baseline("kivi2"), 4, 8, max_new=5)) == 5
+
+
+def test_cached_skips_done_work(tmp_path, model):
+    calls = []
+    work = lambda: calls.append(1) or {"x": 1}  # noqa: E731
+    assert report.cached(tmp_path / "a.json", work) == {"x": 1}
+    assert report.cached(tmp_path / "a.json", work) == {"x": 1} and len(calls) == 1
+    cfg = SimpleNamespace(ppl_windows=1, ood_windows=1, ppl_len=16, kl_stride=4)
+    ctx = SimpleNamespace(cfg=cfg, methods={"bf16": baseline("bf16")}, run_dir=tmp_path, model=model,
+                          tok=None, log=lambda s: None)
+    item = tmp_path / "items" / "perplexity" / "wiki__bf16__none.json"
+    report.write_json(item, {"ppl": 3.0})
+    out = perplexity.run(ctx, domains=("wiki",))  # would need a tokenizer and corpus if it ran
+    assert out["wiki"]["bf16"] == {"none": {"ppl": 3.0}, "64+256": {"ppl": 3.0}}
+
+
+def test_method_names():
+    assert M.parse("kivi2").closed_form == "kivi2" and M.parse("tasq").artifact_name == "tasq"
+    s = M.parse("tasq_no_grouping")
+    assert s.artifact_name == "tasq_no_grouping" and s.expected_config()["grouping"] == "contiguous"
+    assert "--ablation" in s.calibrate_argv("m", "fast", "out")
+    r = M.parse("cq@g4k256")
+    assert r.artifact_name == "cq_g4k256" and r.expected_config()["weighting"] == "none"
+    assert M.parse("tasq@g8k1024").artifact_name == "tasq"
+    ko = M.parse("tasq_keys_only")
+    assert ko.artifact_name == "tasq" and not ko.values
+    assert M.parse_windows("none") == (0, 0) and M.parse_windows("64+256") == (64, 256)
+    with pytest.raises(ValueError, match="allowed"):
+        M.parse("tasq_nope")
+    with pytest.raises(ValueError, match="SINK"):
+        M.parse_windows("64")
+    cb = random_codebooks(1, 3, 64, config=TaSQConfig())
+    built = TaSQCache(cb).method
+    assert M.bits(built, 3, 64) == (1.3333, 1.25) and M.bits(baseline("kivi2"), 3, 64) == (3.0, 3.0)
+
+
+def test_report_files(tmp_path):
+    lay = {"ppl": 10.0, "logit_nmse": 0.01, "attn_kl": 0.02, "token_kl": 0.03, "top1_agree": 0.9,
+           "layer_nmse": [0.01, 0.02]}
+    ppl = {"wiki": {m: {s: {**lay, "ppl": p} for s in report.SETTINGS} for m, p in
+                    (("bf16", 10.0), ("cq", 12.0), ("tasq", 10.5), ("tasq_no_fisher", 10.7))},
+           "ood": {"bf16": {"none": {"ppl": 5.0}}}}
+    r = {"tasks": {"niah_single_1": 100.0, "niah_single_2": 50.0}, "avg": 75.0}
+    nia = {m: {s: {"1024": r, "2048": r} for s in report.SETTINGS} for m in ("bf16", "tasq")}
+    bits = {"bf16": (16.0, 16.0), "cq": (1.25, 1.25), "tasq": (1.333, 1.25), "tasq_no_fisher": (1.333, 1.25)}
+    rows = report.summary_rows(list(bits), bits, ppl, nia)
+    assert len(rows) == 8 and rows[0]["niah"] == {"1024": 75.0, "2048": 75.0} and rows[0]["ppl_ood"] == 5.0
+    tg = {t["target"]: t["met"] for t in report.targets(rows)}
+    assert tg["TaSQ PPL increase <= half of CQ's (windows none)"] is True
+    assert tg["TaSQ PPL <= 1.10x bf16 with windows"] is True
+    assert tg["TaSQ NIAH with windows >= 95% of bf16 at every length"] is True
+    assert tg["tasq_no_fisher worse than TaSQ (windows 64+256)"] is True
+    pos = {"tasq": {"none": {"bucket": 512, "token_kl_by_pos": [0.1, 0.2], "bucket_nmse": [0.01, 0.02]}}}
+    sweep = [{"base": "tasq", "windows": "none", "bits_k": b, "bits_v": b, "ppl": 20 - b, "method": "x", "g": 8,
+              "K": 16, "logit_nmse": 0.1} for b in (0.5, 1.0)]
+    made = report.plots(tmp_path, ppl, nia, pos, sweep, 10.0)
+    assert sorted(made) == ["error_by_position.png", "layer_nmse.png", "niah.png", "rate_vs_ppl.png"]
+    assert all((tmp_path / f).stat().st_size > 1000 for f in made)
+    md = report.markdown(rows, report.targets(rows), nia, sweep, "# t")
+    assert "| tasq | 64+256 |" in md and "NIAH 2048" in md
+    json.dumps(rows)

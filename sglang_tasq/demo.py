@@ -79,6 +79,17 @@ def wait_ready(base: str, proc, timeout: float = 600) -> None:
     raise TimeoutError(f"server not ready after {timeout:.0f} s")
 
 
+def stop_server(proc, timeout: float = 30) -> None:
+    """Stop a server started with ``start_new_session=True`` (its whole process group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+
+
 def chat(base: str, model: str, text: str, max_tokens: int = 48) -> str:
     r = _post(base + "/v1/chat/completions", {"model": model, "temperature": 0, "max_tokens": max_tokens,
                                               "messages": [{"role": "user", "content": text}]})
@@ -135,12 +146,7 @@ def main(argv=None) -> int:
               f"{chat(base, name, haystack(), max_tokens=16)}")
         print(capacity(_get(base + "/get_server_info"), manifest))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
         print("[demo] server stopped")
     return 0
 

@@ -77,8 +77,8 @@ class QualityConfig:
         return f"{self.model}_{tag}_{self.preset}_{h}"
 
 
-QUICK = dict(preset="fast", methods=("bf16", "cq", "tasq"), benches=("perplexity", "ruler"), ppl_windows=4,
-             ood_windows=2, niah_lengths=(1024, 2048), niah_samples=1, niah_methods=(), quick=True)
+QUICK = dict(preset="fast", methods=("bf16", "cq", "tasq"), benches=("perplexity", "ruler"), ppl_windows=2,
+             ood_windows=1, niah_lengths=(1024, 2048), niah_samples=1, niah_methods=(), quick=True)
 
 
 @dataclass
@@ -144,9 +144,9 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
                        for s, by_l in by_s.items()} for m, by_s in nia.items()}
     metrics = {"config": dataclasses.asdict(cfg), "env": env, "summary": rows, "targets": tg, "perplexity": ppl,
                "ruler": plain_ruler, "positions": pos, "rate_sweep": sweep, "wall_s": round(time.time() - t0, 1)}
-    report.write_json(run_dir / "metrics.json", metrics)
     bf = next((r["ppl_wiki"] for r in rows if r["method"] == "bf16"), None)
     metrics["plots"] = report.plots(run_dir, ppl, plain_ruler, pos, sweep, bf)
+    report.write_json(run_dir / "metrics.json", metrics)
     md = report.markdown(rows, tg, plain_ruler, sweep, header)
     report.write_json(run_dir / "summary.json", rows)
     (run_dir / "summary.md").write_text(md)
@@ -171,7 +171,7 @@ def _tuple(s: str, conv=str) -> tuple:
 def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="CI preset: bf16/cq/tasq, 4 PPL windows, NIAH 1k/2k x 1")
+    ap.add_argument("--quick", action="store_true", help="CI preset: bf16/cq/tasq, fast artifacts, 2+1 PPL windows, NIAH 1k/2k x 1 sample")
     ap.add_argument("--model")
     ap.add_argument("--preset", choices=("default", "fast"))
     ap.add_argument("--methods", help=f"comma list of {M.METHODS} or rate points like tasq@g8k256")

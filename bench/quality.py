@@ -171,7 +171,8 @@ def _tuple(s: str, conv=str) -> tuple:
 def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="CI preset: bf16/cq/tasq, fast artifacts, 2+1 PPL windows, NIAH 1k/2k x 1 sample")
+    ap.add_argument("--quick", action="store_true", 
+                    help="CI preset: bf16/cq/tasq, fast artifacts, 2+1 PPL windows, NIAH 1k/2k x 1 sample")
     ap.add_argument("--model")
     ap.add_argument("--preset", choices=("default", "fast"))
     ap.add_argument("--methods", help=f"comma list of {M.METHODS} or rate points like tasq@g8k256")
@@ -184,7 +185,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-methods", help="comma list; empty string = all methods")
     ap.add_argument("--pos-windows", type=int)
     ap.add_argument("--sweep-windows", type=int)
-    ap.add_argument("--artifact", action="append", default=[], help="NAME=DIR: use this artifact (e.g. tasq=artifacts/smollm2)")
+    ap.add_argument("--artifact", action="append", default=[], 
+                    help="NAME=DIR: use this artifact (e.g. tasq=artifacts/smollm2)")
     ap.add_argument("--artifact-root")
     ap.add_argument("--results", default=str(RESULTS))
     a = ap.parse_args(argv)

@@ -88,7 +88,8 @@ def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> s
                                          _f(r["attn_kl"], "{:.4f}"), _f(r["token_kl"], "{:.4f}"),
                                          _f(r["top1_agree"]), *[_f(r["niah"].get(k), "{:.1f}") for k in lengths]])
                      + " |")
-    lines += ["", "## Targets", ""] + [f"- {t['target']}: **{ {True: 'met', False: 'not met', None: 'not measured'}[t['met']] }**"
+    verdict = {True: "met", False: "not met", None: "not measured"}
+    lines += ["", "## Targets", ""] + [f"- {t['target']}: **{verdict[t['met']]}**"
                                        + (f" ({t['value']})" if t["value"] else "") for t in tgts]
     if ruler:
         tasks = sorted({t for m in ruler.values() for s in m.values() for r in s.values() for t in r["tasks"]})
@@ -98,10 +99,11 @@ def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> s
         for m, by_s in ruler.items():
             for s, by_l in by_s.items():
                 for length, r in by_l.items():
-                    lines.append(f"| {m} | {s} | {length} | " + " | ".join(_f(r["tasks"].get(t), "{:.0f}") for t in tasks) + " |")
+                    cells = " | ".join(_f(r["tasks"].get(t), "{:.0f}") for t in tasks)
+                    lines.append(f"| {m} | {s} | {length} | {cells} |")
     if sweep:
-        lines += ["", "## Rate sweep (held-out Wikipedia)", "", "| method | windows | g | K | bits K | bits V | PPL | logit NMSE |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## Rate sweep (held-out Wikipedia)", "",
+                  "| method | windows | g | K | bits K | bits V | PPL | logit NMSE |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['method']} | {r['windows']} | {r['g']} | {r['K']} | {_f(r['bits_k'])} | {_f(r['bits_v'])} | "
                   f"{_f(r['ppl'])} | {_f(r['logit_nmse'], '{:.4f}')} |" for r in sweep]
     return "\n".join(lines) + "\n"
@@ -126,12 +128,14 @@ def plots(out: Path, ppl: dict, ruler: dict, positions: dict, sweep: list, bf16_
         fig, ax = plt.subplots(figsize=(6, 4))
         for base in sorted({r["base"] for r in sweep}):
             for s, ls in zip(SETTINGS, ("--", "-")):
-                pts = sorted(((r["bits_k"] + r["bits_v"]) / 2, r["ppl"]) for r in sweep if r["base"] == base and r["windows"] == s)
+                pts = sorted(((r["bits_k"] + r["bits_v"]) / 2, r["ppl"]) for r in sweep
+                             if r["base"] == base and r["windows"] == s)
                 if pts:
                     ax.plot(*zip(*pts), ls, marker="o", label=f"{base} ({s})")
         if bf16_ppl:
             ax.axhline(bf16_ppl, color="k", lw=0.8, label="bf16")
-        ax.set(xlabel="bits / element (mean of K, V)", ylabel="PPL (held-out wiki)", yscale="log", title="Rate vs perplexity")
+        ax.set(xlabel="bits / element (mean of K, V)", ylabel="PPL (held-out wiki)", yscale="log",
+               title="Rate vs perplexity")
         ax.legend(fontsize=7)
         save(fig, "rate_vs_ppl.png")
     wiki = ppl.get("wiki", {})
@@ -160,7 +164,8 @@ def plots(out: Path, ppl: dict, ruler: dict, positions: dict, sweep: list, bf16_
         for i, (m, s) in enumerate(names):
             vals = [sum(r["tasks"][t] for r in ruler[m][s].values()) / len(ruler[m][s]) for t in tasks]
             axes[1].bar([j + i * w for j in range(len(tasks))], vals, w, label=f"{m} ({s})")
-        axes[1].set_xticks([j + 0.4 for j in range(len(tasks))], [t.replace("niah_", "") for t in tasks], rotation=30, fontsize=7)
+        axes[1].set_xticks([j + 0.4 for j in range(len(tasks))], [t.replace("niah_", "") for t in tasks],
+                           rotation=30, fontsize=7)
         axes[1].set(ylabel="score (mean over lengths)", title="NIAH by task")
         save(fig, "niah.png")
     if positions:
@@ -171,9 +176,8 @@ def plots(out: Path, ppl: dict, ruler: dict, positions: dict, sweep: list, bf16_
             for s, ls in zip(SETTINGS, ("--", "-")):
                 r = by_s.get(s)
                 if r:
-                    b = r["bucket"]
-                    axes[0].plot([b * (i + 0.5) for i in range(len(r["token_kl_by_pos"]))], r["token_kl_by_pos"], ls, label=f"{m} ({s})")
-                    axes[1].plot([b * (i + 0.5) for i in range(len(r["bucket_nmse"]))], r["bucket_nmse"], ls, label=f"{m} ({s})")
+                    for ax, y in zip(axes, (r["token_kl_by_pos"], r["bucket_nmse"])):
+                        ax.plot([r["bucket"] * (i + 0.5) for i in range(len(y))], y, ls, label=f"{m} ({s})")
         for ax, y in zip(axes, ("next-token KL vs bf16", "attention-logit NMSE (mean over layers)")):
             ax.axvline(calib_len, color="k", lw=0.8)
             ax.set(xlabel="position", ylabel=y, yscale="log", title=f"Error by position (calibrated at {calib_len})")

@@ -171,20 +171,33 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         k_codes, k_scale = codec.encode_keys(k_pre, cb, layer.layer_id)
         v_codes = codec.encode_values(v, cb, layer.layer_id)
         krow = codec.pack_codes(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
-        if k_scale is not None:
-            krow = torch.cat([krow, k_scale.reshape(T, -1).contiguous().view(torch.uint8)], dim=1)
-        self.k_buffer[lid][loc] = krow.to(self.device)
-        self.v_buffer[lid][loc] = codec.pack_codes(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v).to(self.device)
-        if self.ring_of is not None and req_rows is not None:
-            keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
-            keep = keep & (self.ring_of[req_rows] > 0)
-            if bool(keep.any()):
-                rows, pos = self.ring_of[req_rows[keep]], positions[keep]
-                idx = self.window_index(pos)
-                self.win_k[lid][rows, idx] = k_pre[keep].to(torch.bfloat16)
-                self.win_v[lid][rows, idx] = v[keep].to(torch.bfloat16)
-                if lid == 0:
-                    self.win_pos[rows, idx] = pos
+        vrow = codec.pack_codes(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
+        self.write_rows(lid, loc, krow, k_scale, vrow)
+        self.write_windows(lid, positions, k_pre, v, req_rows, seq_lens)
+
+    def write_rows(self, lid: int, loc, k_packed, k_scale, v_packed) -> None:
+        """Store packed key codes [T, Bk] (+ fp16 scales [T] / [T, H] or None) and packed value
+        codes [T, Bv] of local layer ``lid`` at slots ``loc`` (the key row is codes ++ scale bytes)."""
+        T = k_packed.shape[0]
+        if k_scale is not None and self.scale_bytes:
+            k_packed = torch.cat([k_packed, k_scale.reshape(T, -1).contiguous().view(torch.uint8)], dim=1)
+        self.k_buffer[lid][loc] = k_packed.to(self.device)
+        self.v_buffer[lid][loc] = v_packed.to(self.device)
+
+    def write_windows(self, lid: int, positions, k_pre, v, req_rows, seq_lens) -> None:
+        """Copy the window tokens among [T] new ones (pre-RoPE keys k_pre, values v [T, H, d]) into
+        their requests' rings; req_rows [T] request rows, seq_lens [T] kv length after this forward."""
+        if self.ring_of is None or req_rows is None:
+            return
+        keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
+        ring = self.ring_of[req_rows]
+        keep = keep & (ring > 0)
+        # no host sync: dropped tokens land in ring 0, which is never read (its positions stay -1)
+        rows, idx = torch.where(keep, ring, 0), self.window_index(positions)
+        self.win_k[lid][rows, idx] = k_pre.to(torch.bfloat16)
+        self.win_v[lid][rows, idx] = v.to(torch.bfloat16)
+        if lid == 0:
+            self.win_pos[rows, idx] = torch.where(keep, positions, -1)
 
     def _keep_mask(self, positions, seq_lens):
         cfg = self.tasq_config
@@ -204,7 +217,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         k_codes = codec.unpack_codes(krow[:, : self.code_bytes_k], H * self.gk, cfg.code_bits_k).view(S, H, self.gk)
         scale = None
         if self.scale_bytes:
-            scale = krow[:, self.code_bytes_k:].contiguous().view(torch.float16)
+            sb = krow[:, self.code_bytes_k:]  # copied to a fresh buffer: a 1-row slice keeps an odd offset
+            scale = torch.empty_like(sb, memory_format=torch.contiguous_format).copy_(sb).view(torch.float16)
             scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
         v_codes = codec.unpack_codes(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
         k = codec.decode_keys(k_codes, scale, cb, layer_id)

@@ -12,8 +12,9 @@ request's ``req_to_token`` row (plain Llama-family models).
 CPU path: per request, decode the codes of its ``P = S - Tq`` prefix tokens with the
 reference codec (:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..P-1``, append the
 chunk's post-RoPE keys and values, and run fp32 causal attention (queries ``[Tq, Hq, d]`` at
-positions ``P..S-1``). CUDA path: the Numba kernels of
-``numba_kernels.ops`` (dispatch point in :meth:`TaSQAttnBackend._attend`).
+positions ``P..S-1``). CUDA path: :class:`sglang_tasq.serve_cuda.TaSQCudaAdapter` (Numba
+encode into the pool, split-K kernels of ``numba_kernels.ops`` over a compact view of it),
+dispatched in :meth:`TaSQAttnBackend._forward`.
 """
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ from .codec import attention_dense
 from .rope import apply_rope
 
 
-def _cuda_ops():
+def _cuda_adapter(pool, req_to_token_pool):
     try:
-        from numba_kernels import ops  # noqa: WPS433 (optional GPU kernels)
+        from .serve_cuda import TaSQCudaAdapter  # noqa: WPS433 (imports the optional Numba kernels)
+
+        return TaSQCudaAdapter(pool, req_to_token_pool)
     except ImportError as e:
         raise NotImplementedError(
-            "tasq: the CUDA path needs the Numba kernels in numba_kernels/ops.py, which are not "
-            f"available ({e}); serve on CPU (--device cpu) until they land") from None
-    return ops
+            "tasq: the CUDA path needs the Numba kernels (numba_kernels.ops), which are not "
+            f"available ({e}); serve on CPU (--device cpu)") from None
 
 
 class TaSQAttnBackend(AttentionBackend):
@@ -50,6 +52,7 @@ class TaSQAttnBackend(AttentionBackend):
         self.pool.attach_request_rows(self.req_to_token_pool)
         self.codebooks = self.pool.codebooks
         self.forward_metadata = None
+        self._cuda = None
 
     # ---- metadata ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
@@ -85,13 +88,16 @@ class TaSQAttnBackend(AttentionBackend):
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache):
         md = self.forward_metadata
-        if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=fb.positions.to(torch.int64),
-                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"])
         Hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, Hq, d)
         if q.is_cuda:
-            return _cuda_ops().tasq_attention(q3, layer, fb, self.pool, md).reshape(-1, Hq * layer.v_head_dim)
+            if self._cuda is None:
+                self._cuda = _cuda_adapter(self.pool, self.req_to_token_pool)
+            out = self._cuda.forward(q3, k, v, layer, fb, md, save_kv_cache)
+            return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
+        if save_kv_cache and k is not None and v is not None:
+            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=fb.positions.to(torch.int64),
+                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"])
         H = layer.tp_k_head_num
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None

@@ -1,0 +1,157 @@
+"""The CUDA adapter (sglang_tasq.serve_cuda) vs the backend's CPU path, in the Numba CUDA simulator.
+
+The simulator must be on before numba is imported, so the check runs this file as a child
+script (``NUMBA_ENABLE_CUDASIM=1 python tests/test_serve_cuda.py``), which prints one JSON line.
+Setup: a real TaSQTokenToKVPool on CPU (head_dim 16, 2 layers, 2 KV heads, GQA 2, sink 2,
+recent 3, fp16-exact random codebooks), two window rings for three ragged requests (0 and 1 get
+one, 1 starts on 0's first 4 slots as a radix-shared prefix its ring does not hold, 2 has no ring
+and reads codes only), chunked prefill (2 extends) then 2 decodes. Pool A is written by the
+adapter (Numba encode), pool B by the CPU path; checked: pool bytes and rings agree (codes up to
+rare near-ties), the adapter's attention equals the CPU path reading the SAME pool (fp32 windows:
+tight; bf16 windows, the serving default: loose), and the CPU path on pool B.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Batch:
+    """ForwardBatch fields the backend and the adapter read."""
+    req_pool_indices: object
+    seq_lens: object
+    extend_prefix_lens: object
+    extend_seq_lens: object
+    positions: object
+    out_cache_loc: object
+    forward_mode: object
+
+
+def _setup(window_rows: str):
+    import types
+
+    import torch
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_tasq import pool as pool_mod
+    from sglang_tasq.backend import TaSQAttnBackend
+    from sglang_tasq.config import TaSQConfig
+    from sglang_tasq.testing import random_codebooks
+
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
+    cb = random_codebooks(2, 2, 16, cfg, seed=3)
+    cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
+    pool_mod.runtime_artifact = lambda: types.SimpleNamespace(codebooks=cb, config=cfg)
+    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = window_rows
+    pools, backends = [], []
+    for _ in range(2):
+        pool = pool_mod.TaSQTokenToKVPool(size=96, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16,
+                                          layer_num=2, device="cpu", enable_memory_saver=False)
+        r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+        runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
+        backends.append(TaSQAttnBackend(runner))
+        pools.append(pool)
+    return pools, backends
+
+
+def _sim_main() -> dict:
+    import types
+
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_tasq.serve_cuda import TaSQCudaAdapter
+
+    (pool_a, pool_b), (be_a, be_b) = _setup("2")
+    rows = [be.req_to_token_pool.alloc_rows(3) for be in (be_a, be_b)]
+    assert rows[0] == rows[1]
+    rows = rows[0]
+    assert pool_a.ring_of[rows].tolist() == [1, 2, 0], pool_a.ring_of[rows]
+    ad32 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, full_dtype=torch.float32)
+    ad16 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, max_view_tokens=4)  # bf16 windows, 1 request/group
+    layers = [types.SimpleNamespace(layer_id=i, tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=16, v_head_dim=16,
+                                    scaling=0.25) for i in range(2)]
+    gen = torch.Generator().manual_seed(7)
+    free = torch.randperm(95, generator=gen) + 1
+    # request 0 (ring 1), 1 (ring 2; starts on request 0's first 4 slots, a shared radix prefix), 2 (no ring)
+    steps = [("extend", {0: 7, 2: 4}), ("extend", {0: 5, 1: 3, 2: 3}), ("decode", {0: 1, 1: 1, 2: 1}),
+             ("decode", {0: 1, 1: 1, 2: 1})]
+    lens, used = [0, 4, 0], 0
+    res = {"tight": 0.0, "loose": 0.0, "other_pool": 0.0, "code_mismatch": 0, "codes": 0, "ring": 0.0}
+    for mode, batch in steps:
+        reqs, new = list(batch), list(batch.values())
+        loc = free[used : used + sum(new)]
+        used += sum(new)
+        pos, off = [], 0
+        for b, t in batch.items():
+            for be in (be_a, be_b):
+                r2t = be.req_to_token_pool.req_to_token
+                if b == 1 and lens[1] == 4:
+                    r2t[rows[1], :4] = r2t[rows[0], :4]
+                r2t[rows[b], lens[b] : lens[b] + t] = loc[off : off + t].to(torch.int32)
+            pos += list(range(lens[b], lens[b] + t))
+            off += t
+        prefix = [lens[b] for b in reqs]
+        for b, t in batch.items():
+            lens[b] += t
+        fb = Batch(req_pool_indices=torch.tensor([rows[b] for b in reqs]),
+                   seq_lens=torch.tensor([lens[b] for b in reqs], dtype=torch.int32),
+                   extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+                   extend_seq_lens=torch.tensor(new, dtype=torch.int32), positions=torch.tensor(pos),
+                   out_cache_loc=loc.clone(), forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
+        for be in (be_a, be_b):
+            be.init_forward_metadata(fb)
+        md16 = dict(be_a.forward_metadata)
+        for layer in layers:
+            N = sum(new)
+            q = torch.randn(N, 4 * 16, generator=gen)
+            k, v = torch.randn(N, 2 * 16, generator=gen) * 2, torch.randn(N, 2 * 16, generator=gen)
+            got = ad32.forward(q.view(N, 4, 16), k, v, layer, fb, be_a.forward_metadata).reshape(N, -1)
+            got16 = ad16.forward(q.view(N, 4, 16), k, v, layer, fb, md16, save_kv_cache=False).reshape(N, -1)
+            want = be_a._forward(q, k, v, layer, fb, save_kv_cache=False)
+            other = be_b._forward(q, k, v, layer, fb, save_kv_cache=True)
+            scale = float(want.abs().max())
+            res["tight"] = max(res["tight"], float((got - want).abs().max()) / scale)
+            res["loose"] = max(res["loose"], float((got16 - want).abs().max()) / scale)
+            res["other_pool"] = max(res["other_pool"], float((got - other).abs().max()) / scale)
+            lid = layer.layer_id
+            res["code_mismatch"] += int((pool_a.k_buffer[lid] != pool_b.k_buffer[lid]).any(1).sum())
+            res["code_mismatch"] += int((pool_a.v_buffer[lid] != pool_b.v_buffer[lid]).any(1).sum())
+            res["codes"] += 2 * used
+            res["ring"] = max(res["ring"], float((pool_a.win_k[lid][1:] - pool_b.win_k[lid][1:]).abs().max()),
+                              float((pool_a.win_v[lid][1:] - pool_b.win_v[lid][1:]).abs().max()))
+    res["win_pos_equal"] = bool((pool_a.win_pos == pool_b.win_pos).all())
+    res["plan_groups"] = [len(be_a.forward_metadata["tasq_cuda_plan"]), len(md16["tasq_cuda_plan"])]
+    return res
+
+
+def test_adapter_matches_cpu_path_in_simulator():
+    pytest.importorskip("numba")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert p.returncode == 0 and lines, p.stderr[-4000:]
+    res = json.loads(lines[-1])
+    print(res)
+    assert res["plan_groups"] == [1, 3]
+    assert res["tight"] < 1e-4, res
+    assert res["loose"] < 3e-2, res
+    assert res["code_mismatch"] <= max(1, res["codes"] // 50), res
+    assert res["ring"] < 1e-2 and res["win_pos_equal"], res
+    if res["code_mismatch"] == 0:
+        assert res["other_pool"] < 1e-4, res
+
+
+if __name__ == "__main__":
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    print(json.dumps(_sim_main()), flush=True)

@@ -15,19 +15,23 @@ full run's headline.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import hashlib
-import json
-import shutil
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Optional
+import os
 
-from . import methods as M
-from . import niah, perplexity, positions, rate_sweep, report, ruler
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: no spinning on shared cores
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
+
+from . import methods as M  # noqa: E402
+from . import niah, perplexity, positions, rate_sweep, report, ruler  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 BENCHES = ("perplexity", "ruler", "positions", "rate_sweep")

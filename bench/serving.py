@@ -166,7 +166,6 @@ def hardware() -> dict:
             "amx": "amx_tile" in cpuinfo, "device": "cpu", "python": platform.python_version()}
 
 
-# ---- summary -----------------------------------------------------------------------------------
 def summarize(results: dict, workload: dict, hw: dict) -> dict:
     """Per server: pool_tokens, max_concurrency (requests that fit), throughput_tok_s / ttft_ms per
     concurrency, ...; ``tasq_vs_bf16``: capacity ratio and TTFT at concurrency 1 (prefill/encode)."""
@@ -183,6 +182,7 @@ def summarize(results: dict, workload: dict, hw: dict) -> dict:
             "cell_bytes": r.get("cell_bytes"), "fixed_bytes": r.get("fixed_bytes"), "kv_cache_gb": r.get("kv_cache_gb"),
             "max_concurrency": requests_that_fit(pool, workload["input_len"], workload["output_len"]),
             "server_max_running_requests": r.get("max_running_requests"), "startup_s": r.get("startup_s"),
+            "backend": f"{r.get('attention_backend')}, {r.get('kv_cache_dtype')}",
             "throughput_tok_s": col("output_throughput"), "total_throughput_tok_s": col("total_throughput"),
             "ttft_ms": col("mean_ttft_ms"), "median_ttft_ms": col("median_ttft_ms"), "tpot_ms": col("mean_tpot_ms"),
             "server_peak": col("server_peak"),
@@ -208,14 +208,14 @@ def to_markdown(s: dict) -> str:
              f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['mem_gib']} GiB RAM ({hw['device']}). "
              f"Model: {w['model']} ({w['model_dir']}). TaSQ artifact: {w['tasq_config']}.",
              f"Workload: `sglang.benchmark.serving` {w['dataset']}, input {w['input_len']} + output "
-             f"{w['output_len']} tokens, {w['num_prompts']} prompts per concurrency {w['concurrency']}; "
+             f"{w['output_len']} tokens, max({w['num_prompts']}, concurrency) prompts at concurrency {w['concurrency']}; "
              f"KV budget {w['kv_budget_mib']} MiB per server (TaSQ: {w['window_rows']} bf16 window rings "
              f"included), preset `{w['preset']}`.", "",
-             "| server | status | bytes/token | pool tokens | KV GB (server) | requests that fit | server max_running_requests |",
-             "|---|---|---|---|---|---|---|"]
+             "| server | attention, KV dtype | bytes/token | pool tokens | KV GB (server) | requests that fit | "
+             "server max_running_requests |", "|---|---|---|---|---|---|---|"]
     for n, v in s["servers"].items():
         lines.append(f"| {n} | {v['status']}: {v.get('reason') or ''} | | | | | |" if v["status"] != "ok" else
-                     f"| {n} | ok | {v['cell_bytes']} | {v['pool_tokens']} | {_f(v['kv_cache_gb'], 3)} | "
+                     f"| {n} | {v['backend']} | {v['cell_bytes']} | {v['pool_tokens']} | {_f(v['kv_cache_gb'], 3)} | "
                      f"{v['max_concurrency']} | {v['server_max_running_requests']} |")
     lines += ["", "| server | concurrency | output tok/s | total tok/s | mean TTFT ms | median TTFT ms | TPOT ms | "
               "peak running / waiting |", "|---|---|---|---|---|---|---|---|"]

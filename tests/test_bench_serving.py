@@ -75,11 +75,11 @@ def _run(tput, ttft, running, waiting):
 
 
 RESULTS = {
-    "bf16": {"status": "ok", "max_total_num_tokens": 4369, "max_running_requests": 2048, "kv_cache_gb": 0.094,
+    "bf16": {"status": "ok", "attention_backend": "torch_native", "kv_cache_dtype": "auto", "max_total_num_tokens": 4369, "max_running_requests": 2048, "kv_cache_gb": 0.094,
              "cell_bytes": 23040, "fixed_bytes": 0, "budget_tokens": 4369,
              "runs": {"1": _run(5.0, 1000.0, 1, 0), "8": _run(10.0, 9000.0, 4, 4)}},
     "fp8": {"status": "failed", "reason": "server exited with status 1: CPU FP8 KV cache requires Intel AMX"},
-    "tasq": {"status": "ok", "max_total_num_tokens": 18000, "max_running_requests": 2048, "kv_cache_gb": 0.094,
+    "tasq": {"status": "ok", "attention_backend": "tasq", "kv_cache_dtype": "auto", "max_total_num_tokens": 18000, "max_running_requests": 2048, "kv_cache_gb": 0.094,
              "cell_bytes": 1860, "fixed_bytes": 66 * 2**20, "budget_tokens": 18000,
              "runs": {"1": _run(4.0, 1500.0, 1, 0), "8": {"error": "timed out"}}},
 }
@@ -108,9 +108,9 @@ def test_markdown_and_files(tmp_path):
     s = serving.write_summary(RESULTS, WORKLOAD, HW, tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(s))
     md = (tmp_path / "summary.md").read_text()
-    assert "Test CPU, 2 cores" in md and "input 1024 + output 32" in md and "KV budget 96 MiB" in md
-    assert "| bf16 | ok | 23040 | 4369 | 0.094 | 4 | 2048 |" in md
-    assert "| tasq | ok | 1860 | 18000 | 0.094 | 17 | 2048 |" in md
+    assert "Test CPU, 2 cores" in md and "input 1024 + output 32 tokens, max(4, concurrency) prompts" in md and "KV budget 96 MiB" in md
+    assert "| bf16 | torch_native, auto | 23040 | 4369 | 0.094 | 4 | 2048 |" in md
+    assert "| tasq | tasq, auto | 1860 | 18000 | 0.094 | 17 | 2048 |" in md
     assert "| fp8 | failed: server exited with status 1" in md
     assert "| bf16 | 8 | 10.00 | 330.0 | 9000.0 | 9000.0 | 100.0 | 4 / 4 |" in md
     assert "| tasq | 8 | error: timed out" in md

@@ -55,7 +55,7 @@ def targets(rows: list) -> list:
         b, c, t = (get(m, s, "ppl_wiki") for m in ("bf16", "cq", "tasq"))
         ok = None if None in (b, c, t) else (t - b) <= 0.5 * (c - b)
         out.append({"target": f"TaSQ PPL increase <= half of CQ's (windows {s})", "met": ok,
-                    "value": None if ok is None else f"TaSQ +{t - b:.3f}, CQ +{c - b:.3f}"})
+                    "value": None if ok is None else f"TaSQ {t - b:+.3f}, CQ {c - b:+.3f}"})
     b, t = get("bf16", "64+256", "ppl_wiki"), get("tasq", "64+256", "ppl_wiki")
     out.append({"target": "TaSQ PPL <= 1.10x bf16 with windows", "met": None if None in (b, t) else t <= 1.10 * b,
                 "value": None if None in (b, t) else f"{t / b:.3f}x"})

@@ -168,3 +168,15 @@ def test_report_files(tmp_path):
     md = report.markdown(rows, report.targets(rows), nia, sweep, "# t")
     assert "| tasq | 64+256 |" in md and "NIAH 2048" in md
     json.dumps(rows)
+
+
+def test_config_cli_and_folder_name():
+    from bench import quality as Q
+
+    cfg, _ = Q.parse_args(["--quick", "--artifact", "tasq=artifacts/x", "--niah-lengths", "1024"])
+    assert cfg.quick and cfg.methods == ("bf16", "cq", "tasq") and cfg.niah_lengths == (1024,)
+    same, _ = Q.parse_args(["--quick", "--niah-lengths", "1024"])
+    assert cfg.name() == same.name() and cfg.name().startswith("smollm2-135m_quick_fast_")  # artifact paths: same results
+    assert Q.parse_args(["--quick", "--ppl-windows", "3"])[0].name() != cfg.name()
+    with pytest.raises(ValueError, match="allowed"):
+        Q.QualityConfig(methods=("bf16", "nope"))

@@ -171,7 +171,7 @@ def test_bf16_server_budget_end_to_end(tmp_path):
     """A bf16 server in a 16 MiB KV budget gets exactly 16 MiB // 23040 B token slots and serves."""
     rc = serving.main(["--servers", "bf16", "--input-len", "64", "--output-len", "4", "--num-prompts", "2",
                        "--concurrency", "2", "--kv-budget-mib", "16", "--out", str(tmp_path),
-                       "--start-timeout", "120", "--bench-timeout", "120"])
+                       "--start-timeout", "240", "--bench-timeout", "180"])
     assert rc == 0
     s = json.loads((tmp_path / "summary.json").read_text())["servers"]["bf16"]
     assert s["status"] == "ok" and s["pool_tokens"] == 16 * 2**20 // 23040 == s["budget_tokens"]

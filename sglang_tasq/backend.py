@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from .codec import attention_dense
-from .rope import apply_rope
+import torch.nn.functional as F
+
+from .rope import cos_sin, rotate
 
 
 def _cuda_adapter(pool, req_to_token_pool):
@@ -53,6 +54,7 @@ class TaSQAttnBackend(AttentionBackend):
         self.codebooks = self.pool.codebooks
         self.forward_metadata = None
         self._cuda = None
+        self._rope_tab = None
 
     # ---- metadata ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
@@ -121,10 +123,36 @@ class TaSQAttnBackend(AttentionBackend):
         P = S - Tq if chunk is not None else S
         slots = self.req_to_token_pool.req_to_token[row, :P].to(torch.int64)
         k_pre, v = self.pool.read_request(layer.layer_id, slots, row, S)
-        cb = self.codebooks
-        k = apply_rope(k_pre, torch.arange(P, device=q.device), cb.inv_freq, cb.attention_scaling)
+        cos, sin = self._cos_sin(P, q.device)  # == apply_rope at positions 0..P-1 (same table values)
+        k = rotate(k_pre, cos, sin)
         if chunk is not None:
             k = torch.cat([k, chunk[0].float()], dim=0)
             v = torch.cat([v, chunk[1].float()], dim=0)
-        kv_pos = torch.arange(S, device=q.device)
-        return attention_dense(q, kv_pos[S - Tq:], k, v, kv_pos, layer.scaling, causal=True)
+        return _sdpa(q, k, v, layer.scaling)
+
+    def _cos_sin(self, n: int, device):
+        """cos, sin [n, 1, d/2] of positions 0..n-1 (rope.cos_sin, cached and grown by doubling)."""
+        tab = self._rope_tab
+        if tab is None or tab[0].shape[0] < n or tab[0].device != torch.device(device):
+            m = max(n, 2 * (tab[0].shape[0] if tab is not None else 0), 1024)
+            cb = self.codebooks
+            cos, sin = cos_sin(torch.arange(m, device=device), cb.inv_freq.to(device), cb.attention_scaling)
+            tab = self._rope_tab = (cos.unsqueeze(1), sin.unsqueeze(1))
+        return tab[0][:n], tab[1][:n]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Causal fp32 attention (GQA) of q [Tq, Hq, d] at the last Tq of S positions over k, v
+    [S, H, d] -> [Tq, Hq, d]; equals :func:`codec.attention_dense` up to float rounding."""
+    Tq, S = q.shape[0], k.shape[0]
+    qh = q.float().transpose(0, 1).unsqueeze(0)
+    kh = k.float().transpose(0, 1).unsqueeze(0)
+    vh = v.float().transpose(0, 1).unsqueeze(0)
+    mask, causal = None, False
+    if Tq == S:
+        causal = Tq > 1
+    elif Tq > 1:  # query i sits at position S - Tq + i
+        mask = torch.ones(Tq, S, dtype=torch.bool, device=q.device).tril(S - Tq)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=sm_scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)

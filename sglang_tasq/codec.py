@@ -79,8 +79,68 @@ class Codebooks:
 
 
 # ---- nearest codeword ---------------------------------------------------------------------
-def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """x [T, H, G, g], codebook [H, G, K, g] -> codes [T, H, G] int64 (argmin L2, first on ties)."""
+def prepare_codebook(codebook: torch.Tensor):
+    """codebook [H, G, K, g] -> (codewords^T [H*G, g, K] f32, norms [H*G, 1, K] f32): the
+    per-call preparation of :func:`nearest_codeword`, done once (pass it as ``prepared=``)."""
+    cb = codebook.float()
+    H, G, K, g = cb.shape
+    cn = (cb * cb).sum(-1)  # [H, G, K], as in nearest_codeword
+    # largest |x| for which no product sum can overflow (then no NaN: the blocked argmin is exact)
+    big = float(cb.abs().max()) * g if cb.numel() and bool(torch.isfinite(cn).all()) else float("inf")
+    x_limit = 1e37 / big if big > 0 else float("inf")
+    return cb.reshape(H * G, K, g).transpose(1, 2).contiguous(), cn.reshape(H * G, 1, K).contiguous(), x_limit
+
+
+def _nearest_prepared(x: torch.Tensor, prepared, chunk: int) -> torch.Tensor:
+    """Same products (one bmm per (head, group), as the einsum does) and the same
+    ``cn - 2 dots`` (``-2 * dots + cn`` is exact-equal: the scaling is a power of two), in
+    cache-sized token chunks with in-place ops."""
+    cbt, cn, x_limit = prepared
+    T, H, G, g = x.shape
+    xb = x.float().reshape(T, H * G, g).transpose(0, 1).contiguous()  # [HG, T, g]
+    out = torch.empty(H * G, T, dtype=torch.int64)
+    blocked = T > 0 and float(xb.abs().max()) < x_limit  # finite inputs, no overflow: no NaN distances
+    for s in range(0, T, chunk):
+        dots = torch.bmm(xb[:, s : s + chunk], cbt).mul_(-2).add_(cn)
+        out[:, s : s + chunk] = _first_argmin(dots) if blocked else torch.argmin(dots, dim=-1)
+    return out.t().reshape(T, H, G)
+
+
+def _first_argmin(d: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """== ``torch.argmin(d, dim=-1)`` for d [B, M, K] (first index on ties), in two levels:
+    the first block of ``block`` entries holding the minimum (block minima are a vectorized
+    reduction), then the first minimum inside it; plain argmin's index-tracking scan is slow.
+    d must hold no NaN."""
+    B, M, K = d.shape
+    if K % block or K < 4 * block:
+        return torch.argmin(d, dim=-1)
+    x = d.view(B, M, K // block, block)
+    j = x.amin(-1).argmin(-1)  # [B, M]: first block holding the minimum
+    inner = torch.gather(x, 2, j[..., None, None].expand(B, M, 1, block)).squeeze(2).argmin(-1)
+    return j * block + inner
+
+
+class LayerNearest:
+    """:func:`nearest_codeword` (same codes) with each layer's codebook prepared once;
+    ``make_codebook(layer) -> [H, G, K, g]``."""
+
+    def __init__(self, make_codebook):
+        self.make, self.cache = make_codebook, {}
+
+    def __call__(self, x: torch.Tensor, layer: int, chunk: int = 32) -> torch.Tensor:
+        """x [T, H, G, g] -> codes [T, H, G] int64."""
+        prep = self.cache.get(layer)
+        if prep is None:
+            prep = self.cache[layer] = prepare_codebook(self.make(layer))
+        return _nearest_prepared(x, prep, chunk)
+
+
+def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096, prepared=None) -> torch.Tensor:
+    """x [T, H, G, g], codebook [H, G, K, g] -> codes [T, H, G] int64 (argmin L2, first on ties).
+
+    prepared: optional :func:`prepare_codebook` of ``codebook`` (fast path, same codes)."""
+    if prepared is not None:
+        return _nearest_prepared(x, prepared, 32)
     T = x.shape[0]
     out = torch.empty(x.shape[:3], dtype=torch.int64)
     cb = codebook.float()

@@ -30,24 +30,7 @@ from .codec import Codebooks
 from .rope import apply_rope, rotate
 
 
-class _Nearest:
-    """codec.nearest_codeword (same arithmetic, same codes) with each layer's codebook and
-    norms prepared once: the per-call preparation dominated one-token steps on CPU."""
-
-    def __init__(self, make_codebook):
-        self.make, self.cache = make_codebook, {}
-
-    def __call__(self, x: torch.Tensor, layer: int, chunk: int = 256) -> torch.Tensor:
-        """x [T, H, G, g] -> codes [T, H, G] int64."""
-        if layer not in self.cache:
-            cb = self.make(layer).float().contiguous()
-            self.cache[layer] = (cb, (cb * cb).sum(-1))
-        cb, cn = self.cache[layer]
-        out = torch.empty(x.shape[:3], dtype=torch.int64)
-        for s in range(0, x.shape[0], chunk):
-            dots = torch.einsum("thgc,hgkc->thgk", x[s : s + chunk].float(), cb)
-            out[s : s + chunk] = torch.argmin(dots.mul_(-2).add_(cn), dim=-1)  # == cn - 2 dots, in place
-        return out
+_Nearest = codec.LayerNearest  # each layer's codebook prepared once (same codes as codec.nearest_codeword)
 
 
 class _TaSQSide:

@@ -96,6 +96,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                 self.win_v = [torch.zeros(n + 1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
                               for _ in range(self.layer_num)]
                 self.win_pos = torch.full((n + 1, self.window), -1, dtype=torch.int64, device=self.device)
+        # CPU fast paths (same results as the reference codec): codebooks prepared once per layer
+        self._near_k = codec.LayerNearest(self.codebooks.tailored_k_codebook)
+        self._near_v = codec.LayerNearest(lambda layer: self.codebooks.v_codebook[layer])
+        self._unpack_idx, self._dec_tables = {}, {}
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
@@ -168,8 +172,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         cb = self.codebooks
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)
-        k_codes, k_scale = codec.encode_keys(k_pre, cb, layer.layer_id)
-        v_codes = codec.encode_values(v, cb, layer.layer_id)
+        x, k_scale = codec.key_tailor(k_pre, cb, layer.layer_id)  # == codec.encode_keys / encode_values
+        k_codes = self._near_k(x, layer.layer_id)
+        gv = self.tasq_config.group_size_v
+        v_codes = self._near_v(v.float().view(T, H, d // gv, gv), layer.layer_id)
         krow = codec.pack_codes(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
         vrow = codec.pack_codes(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
         self.write_rows(lid, loc, krow, k_scale, vrow)
@@ -214,15 +220,14 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         S, H, d = slots.shape[0], self.head_num, self.head_dim
         cfg, cb = self.tasq_config, self.codebooks
         krow = self.k_buffer[lid][slots]
-        k_codes = codec.unpack_codes(krow[:, : self.code_bytes_k], H * self.gk, cfg.code_bits_k).view(S, H, self.gk)
+        k_codes = self._unpack(krow[:, : self.code_bytes_k], H * self.gk, cfg.code_bits_k).view(S, H, self.gk)
         scale = None
         if self.scale_bytes:
             sb = krow[:, self.code_bytes_k:]  # copied to a fresh buffer: a 1-row slice keeps an odd offset
             scale = torch.empty_like(sb, memory_format=torch.contiguous_format).copy_(sb).view(torch.float16)
             scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
-        v_codes = codec.unpack_codes(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
-        k = codec.decode_keys(k_codes, scale, cb, layer_id)
-        v = codec.decode_values(v_codes, cb, layer_id)
+        v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
+        k, v = self._decode(k_codes, scale, v_codes, layer_id)
         ring = int(self.ring_of[req_row]) if self.ring_of is not None else 0
         if ring:
             req_row = ring
@@ -232,6 +237,51 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             if bool(valid.any()):
                 k[valid] = self.win_k[lid][req_row, idx[valid]].float()
                 v[valid] = self.win_v[lid][req_row, idx[valid]].float()
+        return k, v
+
+    def _unpack(self, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        """== codec.unpack_codes: each code read from the (at most 3) bytes it spans, one gather."""
+        if bits > 17:
+            return codec.unpack_codes(packed, n, bits)
+        key = (n, bits, packed.device)
+        tab = self._unpack_idx.get(key)
+        if tab is None:
+            start = torch.arange(n, dtype=torch.int64) * bits
+            nb = packed.shape[1]
+            idx = (start // 8).unsqueeze(1) + torch.arange(3)
+            tab = self._unpack_idx[key] = (idx.clamp(max=nb - 1).reshape(-1).to(packed.device),
+                                           (idx < nb).to(torch.int32).to(packed.device),
+                                           (start % 8).to(torch.int32).to(packed.device))
+        idx, ok, shift = tab
+        T = packed.shape[0]
+        if packed.shape[1] != codec.packed_row_bytes(n, bits):
+            return codec.unpack_codes(packed, n, bits)  # raises the reference error
+        b = packed.index_select(1, idx).view(T, n, 3).to(torch.int32) * ok
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        return ((word >> shift) & ((1 << bits) - 1)).to(torch.int64)
+
+    def _decode(self, k_codes, scale, v_codes, layer_id: int):
+        """== (codec.decode_keys, codec.decode_values) with flattened codebooks prepared once."""
+        cb = self.codebooks
+        if cb.k_unmix is not None:
+            return codec.decode_keys(k_codes, scale, cb, layer_id), codec.decode_values(v_codes, cb, layer_id)
+        tab = self._dec_tables.get(layer_id)
+        if tab is None:
+            kc, vc = cb.k_codebook[layer_id].float(), cb.v_codebook[layer_id].float()
+            H, Gk, Kk, gk = kc.shape
+            _, Gv, Kv, gv = vc.shape
+            tab = self._dec_tables[layer_id] = (
+                kc.reshape(H * Gk * Kk, gk).contiguous(), torch.arange(H * Gk).view(H, Gk) * Kk,
+                vc.reshape(H * Gv * Kv, gv).contiguous(), torch.arange(H * Gv).view(H, Gv) * Kv,
+                cb.k_inv_perm(layer_id))
+        kflat, koff, vflat, voff, inv = tab
+        S, H, _ = k_codes.shape
+        k = kflat.index_select(0, (k_codes + koff).reshape(-1)).view(S, H, k_codes.shape[2] * kflat.shape[1])
+        if scale is not None:
+            s = scale.float()
+            k = k * (s[:, None, None] if s.dim() == 1 else s[:, :, None])
+        k = torch.gather(k, 2, inv.unsqueeze(0).expand(S, H, -1))
+        v = vflat.index_select(0, (v_codes + voff).reshape(-1)).view(S, H, v_codes.shape[2] * vflat.shape[1])
         return k, v
 
     def get_kv_size_bytes(self):

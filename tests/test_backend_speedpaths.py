@@ -1,0 +1,131 @@
+"""CPU fast paths of the TaSQ pool and backend give the reference codec's results: the same
+codes (bitwise), the same decoded keys/values and RoPE (bitwise), attention within fp tolerance."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_tasq import codec
+from sglang_tasq.backend import TaSQAttnBackend, _sdpa
+from sglang_tasq.config import TaSQConfig
+from sglang_tasq.pool import TaSQTokenToKVPool
+from sglang_tasq.rope import apply_rope
+from sglang_tasq.testing import random_codebooks
+
+REAL = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2" / "tasq.json"
+
+
+def _real_or_random():
+    if REAL.is_file():
+        from sglang_tasq.artifact import load_artifact
+
+        try:
+            return load_artifact(str(REAL)).codebooks
+        except Exception:  # noqa: BLE001 (fall back to random codebooks)
+            pass
+    cfg = TaSQConfig(codebook_size_k=1024, codebook_size_v=1024)
+    return random_codebooks(num_layers=2, num_kv_heads=3, head_dim=64, config=cfg)
+
+
+def _pool(cb):
+    p = TaSQTokenToKVPool.__new__(TaSQTokenToKVPool)
+    p.codebooks = cb
+    p._unpack_idx, p._dec_tables = {}, {}
+    return p
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 300])
+@pytest.mark.parametrize("scale", ["shared", "per_head", "none"])
+def test_prepared_nearest_gives_reference_codes(T, scale):
+    cb = random_codebooks(num_layers=2, num_kv_heads=3, head_dim=32,
+                          config=TaSQConfig(codebook_size_k=256, codebook_size_v=128, scale=scale), seed=T)
+    torch.manual_seed(T)
+    k, v = torch.randn(T, 3, 32) * 2, torch.randn(T, 3, 32)
+    x, _ = codec.key_tailor(k, cb, 1)
+    near_k = codec.LayerNearest(cb.tailored_k_codebook)
+    assert torch.equal(near_k(x, 1), codec.encode_keys(k, cb, 1)[0])
+    assert torch.equal(codec.nearest_codeword(x, cb.tailored_k_codebook(1),
+                                              prepared=codec.prepare_codebook(cb.tailored_k_codebook(1))),
+                       codec.nearest_codeword(x, cb.tailored_k_codebook(1)))
+    near_v = codec.LayerNearest(lambda layer: cb.v_codebook[layer])
+    assert torch.equal(near_v(v.view(T, 3, 4, 8), 0), codec.encode_values(v, cb, 0))
+    # ties: a token equal to a codeword duplicated earlier in the book picks the first copy
+    book = cb.v_codebook[0].clone()
+    book[:, :, 5] = book[:, :, 2]
+    xt = book[:, :, 2].unsqueeze(0).expand(2, -1, -1, -1).clone()
+    got = codec.LayerNearest(lambda layer: book)(xt, 0)
+    assert torch.equal(got, codec.nearest_codeword(xt, book)) and bool((got == 2).all())
+
+
+def test_prepared_nearest_real_shapes():
+    cb = _real_or_random()
+    torch.manual_seed(0)
+    k, v = torch.randn(700, 3, 64) * 3, torch.randn(700, 3, 64)
+    x, _ = codec.key_tailor(k, cb, 0)
+    assert torch.equal(codec.LayerNearest(cb.tailored_k_codebook)(x, 0), codec.encode_keys(k, cb, 0)[0])
+    assert torch.equal(codec.LayerNearest(lambda layer: cb.v_codebook[layer])(v.view(700, 3, 8, 8), 0),
+                       codec.encode_values(v, cb, 0))
+
+
+@pytest.mark.parametrize("n,bits", [(1, 10), (24, 10), (3, 8), (7, 12), (5, 1), (9, 16), (4, 17), (6, 3)])
+def test_fast_unpack_matches_reference(n, bits):
+    torch.manual_seed(n * bits)
+    codes = torch.randint(0, 1 << bits, (13, n))
+    codes[0] = (1 << bits) - 1
+    packed = codec.pack_codes(codes, bits)
+    p = _pool(None)
+    assert torch.equal(p._unpack(packed, n, bits), codec.unpack_codes(packed, n, bits))
+    assert torch.equal(p._unpack(packed[:0], n, bits), codec.unpack_codes(packed[:0], n, bits))
+
+
+@pytest.mark.parametrize("scale", ["shared", "per_head", "none"])
+def test_fast_decode_matches_reference(scale):
+    cb = random_codebooks(num_layers=2, num_kv_heads=3, head_dim=32,
+                          config=TaSQConfig(codebook_size_k=64, codebook_size_v=32, scale=scale))
+    torch.manual_seed(1)
+    k, v = torch.randn(50, 3, 32), torch.randn(50, 3, 32)
+    kc, ks = codec.encode_keys(k, cb, 1)
+    vc = codec.encode_values(v, cb, 1)
+    kd, vd = _pool(cb)._decode(kc, ks, vc, 1)
+    assert torch.equal(kd, codec.decode_keys(kc, ks, cb, 1))
+    assert torch.equal(vd, codec.decode_values(vc, cb, 1))
+    kd, vd = _pool(cb)._decode(kc[:0], None if ks is None else ks[:0], vc[:0], 1)  # empty prefix
+    assert torch.equal(kd, codec.decode_keys(kc[:0], None if ks is None else ks[:0], cb, 1))
+    assert torch.equal(vd, codec.decode_values(vc[:0], cb, 1))
+
+
+def test_cached_rope_table_matches_apply_rope():
+    cb = _real_or_random()
+    be = TaSQAttnBackend.__new__(TaSQAttnBackend)
+    be.codebooks, be._rope_tab = cb, None
+    from sglang_tasq.rope import rotate
+
+    torch.manual_seed(2)
+    for n in (5, 1500, 3000):
+        x = torch.randn(n, 3, 64)
+        cos, sin = be._cos_sin(n, x.device)
+        assert torch.equal(rotate(x, cos, sin), apply_rope(x, torch.arange(n), cb.inv_freq, cb.attention_scaling))
+
+
+@pytest.mark.parametrize("Tq,S", [(1, 1), (1, 37), (37, 37), (5, 40), (64, 300)])
+def test_sdpa_matches_attention_dense(Tq, S):
+    torch.manual_seed(Tq + S)
+    q, k, v = torch.randn(Tq, 9, 64), torch.randn(S, 3, 64), torch.randn(S, 3, 64)
+    pos = torch.arange(S)
+    ref = codec.attention_dense(q, pos[S - Tq:], k, v, pos, 0.125, causal=True)
+    torch.testing.assert_close(_sdpa(q, k, v, 0.125), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_argmin_first_on_ties_and_nonfinite_inputs():
+    torch.manual_seed(3)
+    d = torch.randint(0, 5, (4, 7, 256)).float()  # many ties
+    assert torch.equal(codec._first_argmin(d), torch.argmin(d, dim=-1))
+    d = torch.randn(2, 3, 1024)
+    d[0, 0, 700] = d[0, 0, 100] = -10.0
+    assert torch.equal(codec._first_argmin(d), torch.argmin(d, dim=-1))
+    cb = random_codebooks(num_layers=1, num_kv_heads=2, head_dim=16,
+                          config=TaSQConfig(codebook_size_k=256, codebook_size_v=256))
+    x = torch.randn(6, 2, 2, 8)
+    x[1, 0, 0, 3], x[2, 1, 1, 0], x[3, 0, 1, 1] = float("nan"), float("inf"), 1e38
+    book = cb.v_codebook[0]
+    assert torch.equal(codec.LayerNearest(lambda layer: book)(x, 0), codec.nearest_codeword(x, book))

@@ -29,7 +29,7 @@ def _args(**kw):
     return SimpleNamespace(**base)
 
 
-def _refused(sa, path, *needles):
+def _assert_refused(sa, path, *needles):
     with pytest.raises(TaSQLaunchError) as ei:
         validate(sa, str(path))
     msg = str(ei.value)
@@ -49,7 +49,7 @@ def test_good_artifact_passes(good):
     (dict(speculative_algorithm="EAGLE"), "speculative"), (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
     (dict(attention_backend="triton"), "--attention-backend triton"), (dict(dp_size=2), "--dp-size 2")])
 def test_unsupported_server_options(good, kw, needle):
-    _refused(_args(**kw), good, needle)
+    _assert_refused(_args(**kw), good, needle)
 
 
 def _copy(good, tmp_path):
@@ -66,7 +66,7 @@ def test_wrong_model_shapes(tmp_path):
 
     fp = dataclasses.replace(fingerprint(load_config(model_dir())), num_layers=2)
     path = save_artifact(tmp_path, random_codebooks(2, 3, 64, rope_theta=1e5), fp, calibration={})
-    _refused(_args(), path, "model.num_layers", "artifact has 2", "model has 30")
+    _assert_refused(_args(), path, "model.num_layers", "artifact has 2", "model has 30")
 
 
 def test_wrong_rope_theta(good, tmp_path):
@@ -74,7 +74,7 @@ def test_wrong_rope_theta(good, tmp_path):
     m = json.loads(p.read_text())
     m["model"]["rope_theta"] = 10000.0
     p.write_text(json.dumps(m))
-    _refused(_args(), p, "model.rope_theta")
+    _assert_refused(_args(), p, "model.rope_theta")
 
 
 @pytest.mark.parametrize("damage,needle", [
@@ -93,7 +93,7 @@ def test_malformed_artifacts(good, tmp_path, damage, needle):
         m = json.loads(p.read_text())
         m["format_version" if damage == "version" else "bits_k"] = 99
         p.write_text(json.dumps(m))
-    _refused(_args(), p, needle)
+    _assert_refused(_args(), p, needle)
 
 
 @pytest.mark.parametrize("extra,needle", [({"kv_lora_rank": 512}, "MLA"),
@@ -102,7 +102,7 @@ def test_unsupported_models(good, tmp_path, extra, needle):
     cfg = json.loads((model_dir() / "config.json").read_text())
     cfg.update(extra)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    _refused(_args(model_path=str(tmp_path)), good, needle)
+    _assert_refused(_args(model_path=str(tmp_path)), good, needle)
 
 
 @pytest.mark.slow

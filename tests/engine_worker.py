@@ -9,8 +9,8 @@ its one line on stderr and exits 2.
 
 ``make_random_artifact(out_dir, model_dir, **config)`` writes a wiring-only artifact with
 random codebooks (garbage quality, valid format) for the served model. The test helpers
-(``run_worker``, ``pick_artifact``, ``reference_logprobs`` with the HF TaSQ cache, independent
-of SGLang) live here too.
+(``run_worker``, ``pick_artifact`` (a calibrated artifact, made once), ``reference_logprobs``
+with the HF TaSQ cache, independent of SGLang) live here too.
 """
 from __future__ import annotations
 
@@ -32,8 +32,11 @@ def model_dir() -> Path:
 
 
 def pick_artifact(tmp_dir: Path) -> tuple[Path, bool]:
-    """(manifest path, is_real): the calibrated artifact if it loads for the model, else random."""
+    """(manifest path, True): ``artifacts/smollm2`` if it loads for the model, else a fast-preset
+    calibration of SmolLM2 cached under ``cache_dir("artifacts")`` (made once, ~3 min on 2 cores).
+    A calibration failure fails the caller: engine tests never fall back to random codebooks."""
     from sglang_tasq.launch import TaSQLaunchError, load_checked_artifact
+    from sglang_tasq.paths import cache_dir
 
     if REAL_ARTIFACT.is_file():
         try:
@@ -41,7 +44,13 @@ def pick_artifact(tmp_dir: Path) -> tuple[Path, bool]:
             return REAL_ARTIFACT, True
         except TaSQLaunchError:
             pass
-    return make_random_artifact(tmp_dir / "random_art", model_dir()), False
+    out = cache_dir("artifacts") / "smollm2-fast"
+    manifest = out / "tasq.json"
+    if not manifest.is_file():
+        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out),
+                        "--preset", "fast", "--quiet"], check=True, cwd=str(ROOT), timeout=1800)
+    load_checked_artifact(str(manifest), str(model_dir()))
+    return manifest, True
 
 
 def run_worker(spec: dict, tmp_dir: Path, name: str, timeout: int = 900, env: dict | None = None):

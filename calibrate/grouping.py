@@ -17,7 +17,7 @@ from __future__ import annotations
 import networkx as nx
 import torch
 
-from sglang_tasq.testing import contiguous_pair_permutation
+from sglang_tasq.codec import contiguous_pair_permutation
 
 
 def _channels(unit: tuple[int, ...], half: int) -> list[int]:

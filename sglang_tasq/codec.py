@@ -78,6 +78,13 @@ class Codebooks:
         return self.inv_freq[first]
 
 
+def contiguous_pair_permutation(d: int, g: int) -> torch.Tensor:
+    """[d]: group j holds pairs j*g/2 .. (j+1)*g/2-1 (contiguous in the interleaved pair order)."""
+    half, m = d // 2, g // 2
+    pairs = torch.arange(half).view(-1, m)
+    return torch.cat([pairs, pairs + half], dim=1).reshape(-1)
+
+
 # ---- nearest codeword ---------------------------------------------------------------------
 def prepare_codebook(codebook: torch.Tensor):
     """codebook [H, G, K, g] -> (codewords^T [H*G, g, K] f32, norms [H*G, 1, K] f32): the

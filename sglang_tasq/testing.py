@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import Codebooks
+from .codec import Codebooks, contiguous_pair_permutation
 from .config import TaSQConfig
 
 
@@ -43,10 +43,3 @@ def random_codebooks(num_layers: int = 2, num_kv_heads: int = 2, head_dim: int =
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     return Codebooks(config=cfg, k_codebook=k_cb, k_weight=w, k_perm=perm, v_codebook=v_cb,
                      inv_freq=inv_freq.float())
-
-
-def contiguous_pair_permutation(d: int, g: int) -> torch.Tensor:
-    """[d]: group j holds pairs j*g/2 .. (j+1)*g/2-1 (contiguous in the interleaved pair order)."""
-    half, m = d // 2, g // 2
-    pairs = torch.arange(half).view(-1, m)
-    return torch.cat([pairs, pairs + half], dim=1).reshape(-1)

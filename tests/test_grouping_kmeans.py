@@ -4,7 +4,7 @@ import torch
 
 from calibrate import fold, grouping, kmeans
 from sglang_tasq.artifact import check_permutation
-from sglang_tasq.testing import contiguous_pair_permutation
+from sglang_tasq.codec import contiguous_pair_permutation
 
 
 @pytest.mark.parametrize("d,g", [(16, 4), (64, 8), (32, 16), (16, 2)])

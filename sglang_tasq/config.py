@@ -48,7 +48,7 @@ class TaSQConfig:
     calib_tokens: int = 131072
     window_len: int = 2048
     fisher_tokens: int = 32768  # tokens (of calib_tokens) that also get a backward pass
-    max_kmeans_samples: int = 16384  # points per codebook, Fisher-importance-sampled
+    max_kmeans_samples: int = 8192  # points per codebook, Fisher-importance-sampled
     weight_floor: float = 1e-3  # floor on diag(A)/mean(diag(A)) before the square root
     sink_window: int = 64  # full-precision prefix tokens at serving time
     recent_window: int = 256  # full-precision most recent tokens at serving time

@@ -126,14 +126,7 @@ def check_graph(dev) -> dict:
     run = lambda: ops.decode_attention(q, pool["k_codes"], pool["v_codes"], pool["k_scale"], indptr, slots, tb,  # noqa
                                        m["d"] ** -0.5, out=out, max_kv_len=3000, split_len=512)
     eager = run().clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g = _capture(run)
     out.zero_()
     g.replay()
     torch.cuda.synchronize()
@@ -153,7 +146,8 @@ def _time(fn, iters=20, warmup=3) -> float:
     return start.elapsed_time(stop) * 1000.0 / iters  # microseconds
 
 
-def _graph_time(fn, iters=20) -> float:
+def _capture(fn) -> "torch.cuda.CUDAGraph":
+    """Warm ``fn`` up on a side stream, then capture it into a CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -162,7 +156,11 @@ def _graph_time(fn, iters=20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return _time(g.replay, iters)
+    return g
+
+
+def _graph_time(fn, iters=20) -> float:
+    return _time(_capture(fn).replay, iters)
 
 
 def bench_decode(dev, quick) -> list:

@@ -32,7 +32,7 @@ class Captured:
     q_dense_sums: Optional[torch.Tensor]  # [L, H, d, d] float64 (dense ablation)
     q_dense_count: int
     tokens: int
-    loss: float  # mean LM loss over the windows (bf16 model)
+    loss: float  # mean LM loss of the bf16 model over the Fisher windows (else the first window)
     queries: Optional[torch.Tensor] = None  # [L, N, Hq, d] fp16 pre-RoPE, if stored
 
 
@@ -125,12 +125,17 @@ def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows
         for i in tqdm(range(n), desc="capture", unit="win", disable=not progress):
             state["row"] = i * W
             ids = windows[i : i + 1]
-            grad = i < n_fisher
-            with torch.set_grad_enabled(grad):
-                out = model(input_ids=ids, labels=ids, use_cache=False)
-                if grad:
-                    out.loss.backward()
-            losses.append(float(out.loss.detach()))
+            if i < n_fisher or (n_fisher == 0 and i == 0):
+                # the LM loss (and, for Fisher windows, its backward) needs all the logits
+                with torch.set_grad_enabled(i < n_fisher):
+                    out = model(input_ids=ids, labels=ids, use_cache=False)
+                    if i < n_fisher:
+                        out.loss.backward()
+                losses.append(float(out.loss.detach()))
+            else:
+                # forward-only windows feed the hooks: no autograd, no vocabulary-sized logits
+                with torch.inference_mode():
+                    model(input_ids=ids, logits_to_keep=1, use_cache=False)
     finally:
         for h in hooks:
             h.remove()

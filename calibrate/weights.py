@@ -30,6 +30,17 @@ def lag_prefix_sums(window: int, inv_freq: torch.Tensor):
     return (torch.cos(ang) ** 2).cumsum(0), (torch.sin(ang) ** 2).cumsum(0), torch.sin(2 * ang).cumsum(0)
 
 
+_LAG_CACHE: dict = {}
+
+
+def _lag_sums_cached(window: int, inv_freq: torch.Tensor):
+    key = (window, tuple(inv_freq.tolist()))
+    if key not in _LAG_CACHE:
+        _LAG_CACHE.clear()
+        _LAG_CACHE[key] = lag_prefix_sums(window, inv_freq)
+    return _LAG_CACHE[key]
+
+
 def causal_diag_sums(q: torch.Tensor, inv_freq: torch.Tensor, num_kv_heads: int):
     """Closed-form sums of diag(u u^T) over causal pairs of one window.
 
@@ -38,7 +49,7 @@ def causal_diag_sums(q: torch.Tensor, inv_freq: torch.Tensor, num_kv_heads: int)
     """
     W, Hq, d = q.shape
     half = d // 2
-    Cc, Ss, X = lag_prefix_sums(W, inv_freq)  # [W, half]
+    Cc, Ss, X = _lag_sums_cached(W, inv_freq)  # [W, half]
     q = q.to(torch.float64)
     qa, qb = q[..., :half], q[..., half:]
     Cc, Ss, X = Cc[:, None, :], Ss[:, None, :], X[:, None, :]

@@ -9,7 +9,10 @@ codes, or the request's full-precision window entries. Decode reads everything f
 (the new token is in the recent window). RoPE position of a cached token = its index in the
 request's ``req_to_token`` row (plain Llama-family models).
 
-CPU path: per request, decode the codes of its ``P = S - Tq`` prefix tokens with the
+CPU path, decode: one Numba kernel call per layer for the whole batch
+(:func:`numba_kernels.cpu.decode_attention`: unpack, folded decode, RoPE, softmax, value
+decode, windows); ``SGLANG_TASQ_CPU_KERNELS=0`` selects the torch path below instead.
+CPU path, extend (and decode without the kernels): per request, decode the codes of its ``P = S - Tq`` prefix tokens with the
 reference codec (:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..P-1``, append the
 chunk's post-RoPE keys and values, and run fp32 causal attention (queries ``[Tq, Hq, d]`` at
 positions ``P..S-1``). CUDA path: :class:`sglang_tasq.serve_cuda.TaSQCudaAdapter` (Numba
@@ -55,6 +58,9 @@ class TaSQAttnBackend(AttentionBackend):
         self.forward_metadata = None
         self._cuda = None
         self._rope_tab = None
+        # Numba CPU decode kernel: all requests of a decode batch in one call per layer
+        self._decode_kernel = self.pool.cpu_kernels and self.codebooks.k_unmix is None
+        self._decode_tables = {}
 
     # ---- metadata ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
@@ -67,10 +73,18 @@ class TaSQAttnBackend(AttentionBackend):
             q_lens = fb.extend_seq_lens.to(torch.int64)
         rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), q_lens)
         tok_seq = torch.repeat_interleave(seq_lens, q_lens)
-        self.forward_metadata = dict(
+        md = self.forward_metadata = dict(
             rows=rows, tok_seq_lens=tok_seq,
             req_rows=fb.req_pool_indices.tolist(), seq_lens=seq_lens.tolist(), q_lens=q_lens.tolist(),
         )
+        if self._decode_kernel and fb.forward_mode.is_decode() and not seq_lens.is_cuda:
+            # the kernel reads every request's slots 0..S-1 through one flat index (all layers)
+            r2t = self.req_to_token_pool.req_to_token
+            md["kv_indptr"] = torch.tensor([0] + md["seq_lens"], dtype=torch.int64).cumsum(0)
+            md["kv_indices"] = (torch.cat([r2t[r, :n] for r, n in zip(md["req_rows"], md["seq_lens"])]).to(torch.int64)
+                                if md["req_rows"] else torch.zeros(0, dtype=torch.int64))
+            ring_of = self.pool.ring_of
+            md["rings"] = ring_of[fb.req_pool_indices.to(torch.int64)] if ring_of is not None else None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         raise NotImplementedError("tasq: CUDA graphs are not supported; pass --disable-cuda-graph")
@@ -104,6 +118,8 @@ class TaSQAttnBackend(AttentionBackend):
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None
         v3 = v.reshape(-1, H, layer.v_head_dim) if exact else None
+        if not exact and "kv_indices" in md:
+            return self._decode_cpu(q3, layer, md).to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
         out = torch.empty(q3.shape[0], Hq, layer.v_head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for row, S, Tq in zip(md["req_rows"], md["seq_lens"], md["q_lens"]):
@@ -129,6 +145,23 @@ class TaSQAttnBackend(AttentionBackend):
             k = torch.cat([k, chunk[0].float()], dim=0)
             v = torch.cat([v, chunk[1].float()], dim=0)
         return _sdpa(q, k, v, layer.scaling)
+
+    def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
+        """Decode over the pool with ``numba_kernels.cpu.decode_attention`` -> [B, Hq, d] f32."""
+        from numba_kernels import cpu
+
+        pool, lid = self.pool, layer.layer_id - self.pool.start_layer
+        tab = self._decode_tables.get(layer.layer_id)
+        if tab is None:
+            tab = self._decode_tables[layer.layer_id] = cpu.DecodeTables(self.codebooks, layer.layer_id)
+        cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)
+        wk = wv = wp = None
+        if md["rings"] is not None:
+            rings = md["rings"]
+            wk, wv, wp = pool.win_k[lid][rings], pool.win_v[lid][rings], pool.win_pos[rings]
+        return cpu.decode_attention(q3, pool.k_buffer[lid], pool.v_buffer[lid], md["kv_indptr"], md["kv_indices"],
+                                    tab, pool.tasq_config, pool.code_bytes_k, cos.squeeze(1), sin.squeeze(1),
+                                    layer.scaling, wk, wv, wp)
 
     def _cos_sin(self, n: int, device):
         """cos, sin [n, 1, d/2] of positions 0..n-1 (rope.cos_sin, cached and grown by doubling)."""

@@ -24,13 +24,13 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import codec
+from . import codec, fastpath
 from .baselines import Identity, KVMethod, SideQuantizer
 from .codec import Codebooks
 from .rope import apply_rope, rotate
 
 
-_Nearest = codec.LayerNearest  # each layer's codebook prepared once (same codes as codec.nearest_codeword)
+_Nearest = fastpath.layer_nearest  # each layer's codebook prepared once (== codec.nearest_codeword up to float ties)
 
 
 class _TaSQSide:
@@ -39,13 +39,13 @@ class _TaSQSide:
     block, exact = 1, False
 
     def _pack(self, codes: torch.Tensor, bits: int) -> dict:
-        return {"codes": codec.pack_codes(codes.reshape(codes.shape[0], -1), bits)}
+        return {"codes": fastpath.pack(codes.reshape(codes.shape[0], -1), bits)}
 
     @staticmethod
     def _unpack(payload: dict, codebook: torch.Tensor, bits: int) -> torch.Tensor:
         H, G = codebook.shape[1:3]
         T = payload["codes"].shape[0]
-        return codec.unpack_codes(payload["codes"], H * G, bits).view(T, H, G)
+        return fastpath.unpack(payload["codes"], H * G, bits).view(T, H, G)
 
 
 class TaSQKeys(_TaSQSide):

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from . import codec
+from . import codec, fastpath
 from .launch import runtime_artifact
 from .rope import apply_rope
 
@@ -96,9 +96,11 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                 self.win_v = [torch.zeros(n + 1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
                               for _ in range(self.layer_num)]
                 self.win_pos = torch.full((n + 1, self.window), -1, dtype=torch.int64, device=self.device)
-        # CPU fast paths (same results as the reference codec): codebooks prepared once per layer
-        self._near_k = codec.LayerNearest(self.codebooks.tailored_k_codebook)
-        self._near_v = codec.LayerNearest(lambda layer: self.codebooks.v_codebook[layer])
+        # CPU fast paths, tested against the reference codec: codebooks prepared once per layer;
+        # Numba kernels (numba_kernels.cpu) unless SGLANG_TASQ_CPU_KERNELS=0 (plain torch)
+        self.cpu_kernels = fastpath.cpu_kernels_enabled()
+        self._near_k = fastpath.layer_nearest(self.codebooks.tailored_k_codebook)
+        self._near_v = fastpath.layer_nearest(lambda layer: self.codebooks.v_codebook[layer])
         self._unpack_idx, self._dec_tables = {}, {}
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
@@ -176,8 +178,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         k_codes = self._near_k(x, layer.layer_id)
         gv = self.tasq_config.group_size_v
         v_codes = self._near_v(v.float().view(T, H, d // gv, gv), layer.layer_id)
-        krow = codec.pack_codes(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
-        vrow = codec.pack_codes(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
+        pack = fastpath.pack
+        krow = pack(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
+        vrow = pack(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
         self.write_rows(lid, loc, krow, k_scale, vrow)
         self.write_windows(lid, positions, k_pre, v, req_rows, seq_lens)
 

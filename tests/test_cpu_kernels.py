@@ -1,0 +1,222 @@
+"""Numba CPU kernels (numba_kernels.cpu) against the plain-torch reference codec, on awkward shapes."""
+import dataclasses
+
+import pytest
+import torch
+
+from numba_kernels import cpu
+from sglang_tasq import codec
+from sglang_tasq.config import TaSQConfig
+from sglang_tasq.rope import cos_sin
+from sglang_tasq.testing import random_codebooks
+
+
+def _distances(x, codebook):
+    """[T, H, G, K] squared distances, float64."""
+    return ((x.double().unsqueeze(3) - codebook.double().unsqueeze(0)) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("T,H,G,K,g", [(1, 1, 1, 2, 2), (37, 3, 5, 33, 4), (200, 3, 8, 1024, 8), (17, 2, 3, 256, 16)])
+def test_nearest_matches_reference(T, H, G, K, g):
+    gen = torch.Generator().manual_seed(T + K)
+    cb = torch.randn(H, G, K, g, generator=gen)
+    x = torch.randn(T, H, G, g, generator=gen) * 1.3
+    ref = codec.nearest_codeword(x, cb)
+    got = cpu.nearest(x, cpu.prepare(cb))
+    assert got.dtype == torch.int64 and got.shape == ref.shape
+    same = (got == ref).float().mean().item()
+    assert same >= 0.999
+    # wherever the index differs it is a float32 near-tie: the distances agree to rounding
+    dist = _distances(x, cb)
+    d_got = torch.gather(dist, 3, got.unsqueeze(-1))
+    d_min = dist.min(-1, keepdim=True).values
+    assert float((d_got - d_min).max()) <= 1e-5 * float(d_min.abs().max() + 1)
+
+
+def test_nearest_first_index_on_exact_ties_and_nonfinite_input():
+    cb = torch.randn(2, 3, 8, 4)
+    cb[:, :, 5] = cb[:, :, 2]  # duplicated codewords: the first one wins, as in torch.argmin
+    x = cb[:, :, 2].unsqueeze(0).repeat(4, 1, 1, 1) + 1e-3
+    got = cpu.nearest(x, cpu.prepare(cb))
+    assert (got == 2).all()
+    x[1, 0, 0, 0] = float("nan")
+    x[2, 1, 2, 3] = float("inf")
+    assert torch.equal(cpu.nearest(x, cpu.prepare(cb)), codec.nearest_codeword(x, cb))
+    assert cpu.nearest(torch.zeros(0, 2, 3, 4), cpu.prepare(cb)).shape == (0, 2, 3)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 6, 7, 8, 10, 12, 16, 17, 24])
+@pytest.mark.parametrize("n", [1, 5, 72])
+def test_pack_unpack_bit_exact(bits, n):
+    gen = torch.Generator().manual_seed(bits * 100 + n)
+    codes = torch.randint(0, 1 << bits, (19, n), generator=gen)
+    codes[0] = (1 << bits) - 1  # the largest code everywhere
+    codes[1] = 0
+    ref = codec.pack_codes(codes, bits)
+    got = cpu.pack(codes, bits)
+    assert torch.equal(got, ref)
+    assert torch.equal(cpu.unpack(got, n, bits), codec.unpack_codes(ref, n, bits))
+    assert torch.equal(cpu.unpack(got, n, bits), codes)
+
+
+def test_pack_refuses_out_of_range_and_bad_rows():
+    with pytest.raises(ValueError, match="out of range"):
+        cpu.pack(torch.tensor([[4]]), 2)
+    with pytest.raises(ValueError, match="bytes"):
+        cpu.unpack(torch.zeros(2, 3, dtype=torch.uint8), 3, 10)
+
+
+def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
+    """Random packed pool rows for requests of the given lengths, their slots, and windows."""
+    cb = random_codebooks(1, H, d, cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
+    rows = total + 7
+    slots = torch.randperm(rows - 1, generator=gen)[:total] + 1  # slot 0 unused, scattered slots
+    k_pre = torch.randn(total, H, d, generator=gen)
+    v = torch.randn(total, H, d, generator=gen)
+    x, scale = codec.key_tailor(k_pre, cb, 0)
+    kc = codec.nearest_codeword(x, cb.tailored_k_codebook(0))
+    vc = codec.encode_values(v, cb, 0)
+    Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
+    kb = codec.packed_row_bytes(H * Gk, cfg.code_bits_k)
+    krow = codec.pack_codes(kc.reshape(total, -1), cfg.code_bits_k)
+    if scale is not None:
+        krow = torch.cat([krow, scale.reshape(total, -1).contiguous().view(torch.uint8)], 1)
+    k_rows = torch.zeros(rows, krow.shape[1], dtype=torch.uint8)
+    v_rows = torch.zeros(rows, codec.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
+    k_rows[slots] = krow
+    v_rows[slots] = codec.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
+    B = len(seq_lens)
+    W = cfg.sink_window + cfg.recent_window
+    win = None
+    if windows:
+        wk = torch.randn(B, W, H, d, generator=gen).to(torch.bfloat16)
+        wv = torch.randn(B, W, H, d, generator=gen).to(torch.bfloat16)
+        wp = torch.full((B, W), -1, dtype=torch.int64)
+        for b, S in enumerate(seq_lens):
+            for p in range(S):
+                if b % 3 == 2:
+                    continue  # a request without a ring
+                if p < cfg.sink_window:
+                    wp[b, p] = p
+                elif cfg.recent_window and p >= S - cfg.recent_window - 2:  # incl. stale entries
+                    wp[b, cfg.sink_window + p % cfg.recent_window] = p
+        win = (wk, wv, wp)
+    q = torch.randn(B, Hq, d, generator=gen)
+    return cb, kb, k_rows, v_rows, slots, q, win
+
+
+def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale):
+    Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
+    outs, beg = [], 0
+    for b, S in enumerate(seq_lens):
+        sl = slots[beg:beg + S]
+        beg += S
+        if S == 0:
+            outs.append(torch.zeros(q.shape[1], d))
+            continue
+        kr = k_rows[sl]
+        kc = codec.unpack_codes(kr[:, :kb].contiguous(), H * Gk, cfg.code_bits_k).view(S, H, Gk)
+        scale = None
+        if cfg.scale != "none":
+            scale = torch.empty(S, kr.shape[1] - kb, dtype=torch.uint8).copy_(kr[:, kb:]).view(torch.float16)
+            scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
+        vc = codec.unpack_codes(v_rows[sl], H * Gv, cfg.code_bits_v).view(S, H, Gv)
+        pos = torch.arange(S)
+        kw = vw = mask = None
+        if win is not None:
+            wk, wv, wp = win
+            sink, recent = cfg.sink_window, cfg.recent_window
+            idx = torch.where(pos < sink, pos, sink + (pos % recent if recent else 0)).clamp(max=wp.shape[1] - 1)
+            inw = (pos < sink) | (pos >= S - recent)
+            mask = inw & (wp[b, idx] == pos)
+            kw, vw = wk[b, idx], wv[b, idx]
+        o = codec.attention_over_codes(q[b:b + 1], torch.tensor([S - 1]), kc, scale, vc, pos, cb, 0, sm_scale,
+                                       k_full=kw, v_full=vw, full_mask=mask)
+        outs.append(o[0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
+    ("shared", True, 3, 9, 16, [1, 5, 97, 0, 40]),
+    ("per_head", False, 2, 2, 8, [3, 64]),
+    ("none", True, 1, 4, 32, [70, 2, 33]),
+])
+def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens):
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
+                     sink_window=4 if windows else 0, recent_window=8 if windows else 0)
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 11, windows)
+    sm_scale = d ** -0.5
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale)
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
+    wk, wv, wp = win if win is not None else (None, None, None)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
+                               sm_scale, wk, wv, wp)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_attention_refuses_dense_weighting():
+    cb = random_codebooks(1, 2, 16, TaSQConfig(codebook_size_k=64, codebook_size_v=64))
+    cb = dataclasses.replace(cb, k_unmix=torch.eye(16).expand(1, 2, 16, 16))
+    with pytest.raises(NotImplementedError, match="dense"):
+        cpu.DecodeTables(cb, 0)
+
+
+def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
+    """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
+    requests, a radix-shared prefix outside the sharer's ring, a request without a ring."""
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from test_serve_cuda import Batch, _setup
+
+    from sglang_tasq.backend import TaSQAttnBackend
+
+    (pool, _), (be_k, _) = _setup("2")
+    runner = types.SimpleNamespace(device="cpu", req_to_token_pool=be_k.req_to_token_pool, token_to_kv_pool=pool)
+    be_t = TaSQAttnBackend(runner)
+    be_t._decode_kernel = False
+    assert be_k._decode_kernel
+    rows = be_k.req_to_token_pool.alloc_rows(3)
+    layers = [types.SimpleNamespace(layer_id=i, tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=16, v_head_dim=16,
+                                    scaling=0.25) for i in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    free = torch.randperm(95, generator=gen) + 1
+    r2t = be_k.req_to_token_pool.req_to_token
+    lens, used, worst, decodes = [0, 4, 0], 0, 0.0, 0
+    steps = [("extend", {0: 9, 2: 4}), ("extend", {0: 3, 1: 2, 2: 1})] + [("decode", {0: 1, 1: 1, 2: 1})] * 4
+    for mode, batch in steps:
+        new = list(batch.values())
+        loc = free[used:used + sum(new)]
+        used += sum(new)
+        pos, off = [], 0
+        for b, t in batch.items():
+            if b == 1 and lens[1] == 4:
+                r2t[rows[1], :4] = r2t[rows[0], :4]
+            r2t[rows[b], lens[b]:lens[b] + t] = loc[off:off + t].to(torch.int32)
+            pos += list(range(lens[b], lens[b] + t))
+            off += t
+        prefix = [lens[b] for b in batch]
+        for b, t in batch.items():
+            lens[b] += t
+        fb = Batch(req_pool_indices=torch.tensor([rows[b] for b in batch]),
+                   seq_lens=torch.tensor([lens[b] for b in batch], dtype=torch.int32),
+                   extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+                   extend_seq_lens=torch.tensor(new, dtype=torch.int32), positions=torch.tensor(pos),
+                   out_cache_loc=loc.clone(),
+                   forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
+        be_k.init_forward_metadata(fb)
+        be_t.init_forward_metadata(fb)
+        assert ("kv_indices" in be_k.forward_metadata) == (mode == "decode")
+        for layer in layers:
+            N = sum(new)
+            q = torch.randn(N, 64, generator=gen)
+            k, v = torch.randn(N, 32, generator=gen) * 2, torch.randn(N, 32, generator=gen)
+            got = be_k._forward(q, k, v, layer, fb, save_kv_cache=True)
+            want = be_t._forward(q, k, v, layer, fb, save_kv_cache=False)
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            decodes += mode == "decode"
+    assert decodes == 8
+    assert worst < 1e-5, worst

@@ -22,7 +22,9 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 _TOKEN_BLOCK = 16
 _ARGMIN_CHUNK = 32
@@ -64,8 +66,7 @@ def _first_min(dist, lanes, lidx, K, chunk):
     return arg if arg < K else 0
 
 
-@njit(parallel=True, cache=True, nogil=True, fastmath=True)
-def _nearest(x, cbt, cn, chunk, out):
+def _nearest_py(x, cbt, cn, chunk, out):
     """x [T, N, g] f32 (finite), cbt [N, g, K] f32 (codewords transposed), cn [N, K] f32 ->
     out [T, N] int32: argmin_k ``cn - 2 x.c``, first index on ties.
 
@@ -112,6 +113,11 @@ def _nearest(x, cbt, cn, chunk, out):
                 t += 1
 
 
+_nearest = njit(parallel=True, cache=True, nogil=True, fastmath=True)(_nearest_py)
+_nearest_serial = njit(cache=True, nogil=True, fastmath=True)(_nearest_py)  # small batches: no thread launch
+_SERIAL_BELOW = 64  # tokens
+
+
 def prepare(codebook: torch.Tensor):
     """codebook [H, G, K, g] -> (codewords^T [H*G, g, K], norms [H*G, K]) as float32 numpy."""
     cb = codebook.detach().float().cpu()
@@ -135,7 +141,8 @@ def nearest(x: torch.Tensor, prepared) -> torch.Tensor:
         return nearest_codeword(x, cb)
     out = np.empty((T, H * G), np.int32)
     if T:
-        _nearest(xf.numpy(), cbt, cn, _ARGMIN_CHUNK, out)  # chunk: a runtime value, so loops vectorize
+        fn = _nearest if T >= _SERIAL_BELOW else _nearest_serial
+        fn(xf.numpy(), cbt, cn, _ARGMIN_CHUNK, out)  # chunk: a runtime value, so loops vectorize
     return torch.from_numpy(out).to(torch.int64).view(T, H, G)
 
 
@@ -219,59 +226,81 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 
 
 # ---- decode attention over the packed pool ------------------------------------------------
-@njit(cache=True, inline="always")
-def _half_to_float(lo, hi):
-    """IEEE fp16 from its two little-endian bytes -> float32 (exact)."""
-    h = np.int64(lo) | (np.int64(hi) << 8)
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = math.ldexp(np.float64(m), -24)
-    elif e == 31:
-        v = np.inf if m == 0 else np.nan
-    else:
-        v = math.ldexp(np.float64(m + 1024), e - 25)
-    return np.float32(-v if h & 0x8000 else v)
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """uint16 IEEE fp16 bits -> float32 (exact: LLVM fpext)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, x):
+    """float32 -> uint16 fp16 bits, round to nearest even (LLVM fptrunc, as torch's .half())."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    def codegen(context, builder, signature, args):
+        w = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(w, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
 
 
 @njit(cache=True, inline="always")
-def _unpack_run(buf2d, slot, first, count, bits, dst):
-    """dst[0:count] = codes first..first+count-1 of packed row ``slot`` (little-endian bit
-    stream, each byte read once; no row view is made: views cost reference counting)."""
-    mask = (np.int64(1) << bits) - 1
-    start = first * bits
+def _f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bits, round to nearest even (as torch's .to(bfloat16)); NaN stays NaN."""
+    u = np.uint32(_f32_bits(x))
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(cache=True, inline="always")
+def _code_at(buf2d, slot, n, bits, nbytes):
+    """Code n of packed row ``slot``: one 24-bit little-endian read (bits <= 17), branch-free.
+    Reads past the row's last byte are clamped to it; those bits lie above the code and are masked."""
+    start = n * bits
     byte = start >> 3
-    buf = np.int64(buf2d[slot, byte]) >> (start & 7)
-    nbuf = 8 - (start & 7)
-    byte += 1
-    for j in range(count):
-        while nbuf < bits:
-            buf |= np.int64(buf2d[slot, byte]) << nbuf
-            byte += 1
-            nbuf += 8
-        dst[j] = buf & mask
-        buf >>= bits
-        nbuf -= bits
+    b2 = min(byte + 2, nbytes - 1)
+    b1 = min(byte + 1, nbytes - 1)
+    word = np.int64(buf2d[slot, byte]) | (np.int64(buf2d[slot, b1]) << 8) | (np.int64(buf2d[slot, b2]) << 16)
+    return (word >> (start & 7)) & ((np.int64(1) << bits) - 1)
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, bits_v, code_bytes_k,
-                      scale_mode, cos_t, sin_t, win_k, win_v, win_pos, sink, recent, sm_scale, out):
+                      scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale, out):
     """One (request, KV head) per parallel item. Keys are decoded in the permuted in-group
     layout (folded codewords; the query is permuted instead), rotated there at the token's
     position, dotted with every query head of the GQA group, then scaled; fp32 softmax;
-    values decoded and accumulated per group. fastmath: sums are reassociated (vectorized)."""
+    values decoded and accumulated per group. Window entries are read from the request's
+    bf16 ring (``rings[b]``, 0 = none) where ``win_pos`` holds the token. fastmath: sums are
+    reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
     rep = Hq // H
     hg = gk // 2
-    has_win = win_pos.shape[1] > 0
+    nbk = kbuf.shape[1]
+    nbv = vbuf.shape[1]
     for item in prange(B * H):
         b = item // H
         h = item - b * H
         beg = indptr[b]
         S = indptr[b + 1] - beg
+        ring = rings[b]
         qp = np.empty((rep, d), np.float32)
         for r in range(rep):
             for c in range(d):
@@ -283,27 +312,25 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         logits = np.empty((rep, max(S, 1)), np.float32)
         kp = np.empty(d, np.float32)
         kr = np.empty(d, np.float32)
-        zk = np.empty(Gk, np.int64)
-        zv = np.empty(Gv, np.int64)
         for t in range(S):
             widx = -1
-            if has_win and (t < sink or t >= S - recent):
+            if ring > 0 and (t < sink or t >= S - recent):
                 wi = t if t < sink else sink + t % recent
-                if win_pos[b, wi] == t:
+                if win_pos[ring, wi] == t:
                     widx = wi
             s = np.float32(1.0)
             if widx >= 0:
                 for c in range(d):
-                    kp[c] = win_k[b, widx, h, kperm[h, c]]
+                    kp[c] = _bf16_bits_to_f32(win_k[ring, widx, h, kperm[h, c]])
             else:
                 slot = indices[beg + t]
                 if scale_mode == 1:
-                    s = _half_to_float(kbuf[slot, code_bytes_k], kbuf[slot, code_bytes_k + 1])
+                    s = _half_bits_to_f32(np.uint16(kbuf[slot, code_bytes_k]) | (np.uint16(kbuf[slot, code_bytes_k + 1]) << 8))
                 elif scale_mode == 2:
-                    s = _half_to_float(kbuf[slot, code_bytes_k + 2 * h], kbuf[slot, code_bytes_k + 2 * h + 1])
-                _unpack_run(kbuf, slot, h * Gk, Gk, bits_k, zk)
+                    o = code_bytes_k + 2 * h
+                    s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
                 for j in range(Gk):
-                    z = zk[j]
+                    z = _code_at(kbuf, slot, h * Gk + j, bits_k, nbk)
                     for l in range(gk):
                         kp[j * gk + l] = kcb[h, j, z, l]
             for j in range(Gk):
@@ -333,25 +360,28 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
             for t in range(S):
                 logits[r, t] *= inv
         acc_o = np.zeros((rep, d), np.float32)
+        vt = np.empty(d, np.float32)
         for t in range(S):
             widx = -1
-            if has_win and (t < sink or t >= S - recent):
+            if ring > 0 and (t < sink or t >= S - recent):
                 wi = t if t < sink else sink + t % recent
-                if win_pos[b, wi] == t:
+                if win_pos[ring, wi] == t:
                     widx = wi
             if widx >= 0:
                 for r in range(rep):
                     p = logits[r, t]
                     for c in range(d):
-                        acc_o[r, c] += p * win_v[b, widx, h, c]
-            else:
-                _unpack_run(vbuf, indices[beg + t], h * Gv, Gv, bits_v, zv)
+                        acc_o[r, c] += p * _bf16_bits_to_f32(win_v[ring, widx, h, c])
+            else:  # decode the value row, then one d-long axpy per query head (vectorizes)
+                slot = indices[beg + t]
                 for j in range(Gv):
-                    z = zv[j]
-                    for r in range(rep):
-                        p = logits[r, t]
-                        for l in range(gv):
-                            acc_o[r, j * gv + l] += p * vcb[h, j, z, l]
+                    z = _code_at(vbuf, slot, h * Gv + j, bits_v, nbv)
+                    for l in range(gv):
+                        vt[j * gv + l] = vcb[h, j, z, l]
+                for r in range(rep):
+                    p = logits[r, t]
+                    for c in range(d):
+                        acc_o[r, c] += p * vt[c]
         for r in range(rep):
             for c in range(d):
                 out[b, h * rep + r, c] = acc_o[r, c]
@@ -370,34 +400,218 @@ class DecodeTables:
 
 
 _SCALE_MODE = {"none": 0, "shared": 1, "per_head": 2}
-_EMPTY_WIN = (np.zeros((0, 0, 0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32), np.zeros((0, 0), np.int64))
+_NO_RING = (np.zeros((1, 1, 1, 1), np.uint16), np.full((1, 1), -1, np.int64))
+
+
+def _u16(t: torch.Tensor) -> np.ndarray:
+    """A 16-bit float tensor's bits as a uint16 numpy array (no copy when contiguous)."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, tables: DecodeTables, cfg, code_bytes_k: int,
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
-                     win_k: torch.Tensor | None = None, win_v: torch.Tensor | None = None,
-                     win_pos: torch.Tensor | None = None) -> torch.Tensor:
+                     rings: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
+                     win_v: torch.Tensor | None = None, win_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one layer over packed codes, all requests in one call.
 
     q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``); k_rows [rows, Bk+Bs]
     and v_rows [rows, Bv] uint8 pool buffers; request b's tokens (positions 0..S_b-1) sit at
     slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE
-    tables (attention scaling included); optional windows: win_k/win_v [B, W, H, d] pre-RoPE
-    (any float dtype), win_pos [B, W] int64 (-1 empty), with ``cfg.sink_window`` /
-    ``cfg.recent_window``. Returns [B, Hq, d] float32.
+    tables (attention scaling included). Optional windows (the pool's rings): rings [B] ring
+    of each request (0 = none), win_k/win_v [R, W, H, d] bfloat16 pre-RoPE, win_pos [R, W]
+    int64 (-1 empty), with ``cfg.sink_window`` / ``cfg.recent_window``. Returns [B, Hq, d] f32.
     """
     B, Hq, d = q.shape
     out = np.empty((B, Hq, d), np.float32)
-    if win_pos is None:
-        wk, wv, wp = _EMPTY_WIN
+    if rings is None:
+        rg = np.zeros(B, np.int64)
+        wk = wv = _NO_RING[0]
+        wp = _NO_RING[1]
     else:
-        wk = win_k.detach().float().contiguous().numpy()
-        wv = win_v.detach().float().contiguous().numpy()
-        wp = win_pos.detach().to(torch.int64).contiguous().numpy()
-    _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
-                      kv_indptr.to(torch.int64).numpy(), kv_indices.to(torch.int64).numpy(),
-                      tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
-                      _SCALE_MODE[cfg.scale], cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
-                      wk, wv, wp, cfg.sink_window, cfg.recent_window, np.float32(sm_scale), out)
+        if win_k.dtype != torch.bfloat16 or win_v.dtype != torch.bfloat16:
+            raise TypeError(f"window rings must be bfloat16, got {win_k.dtype}/{win_v.dtype}")
+        rg = rings.to(torch.int64).contiguous().numpy()
+        wk, wv = _u16(win_k), _u16(win_v)
+        wp = win_pos.to(torch.int64).contiguous().numpy()
+    if B:
+        _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
+                          kv_indptr.to(torch.int64).numpy(), kv_indices.to(torch.int64).numpy(),
+                          tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
+                          _SCALE_MODE[cfg.scale], cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
+                          rg, wk, wv, wp, cfg.sink_window, cfg.recent_window, np.float32(sm_scale), out)
     return torch.from_numpy(out)
+
+
+# ---- fused pool encode ----------------------------------------------------------------------
+def _tailor_keys_py(k, pos, cos_t, sin_t, w, kperm, scale_mode, gk, kpre, x, scale_bits):
+    """Post-RoPE keys k [T, H, d] f32 at positions pos -> pre-RoPE keys kpre [T, H, d] (the
+    inverse rotation of ``rope.rotate``, same float ops), tailored keys x [T, H*Gk, gk] in the
+    permuted group layout (weights w, fp16 RMS scale, as ``codec.key_tailor``) and the scale
+    bits scale_bits [T, Hs] (uint16 fp16; Hs = 1 shared, H per-head, unused for none)."""
+    T, H, d = k.shape
+    half = d // 2
+    Gk = d // gk
+    for t in prange(T):
+        p = pos[t]
+        for h in range(H):
+            for i in range(half):
+                c = cos_t[p, i]
+                sn = sin_t[p, i]
+                norm = c * c + sn * sn
+                ci = c / norm
+                si = -sn / norm
+                a = k[t, h, i]
+                b = k[t, h, i + half]
+                kpre[t, h, i] = a * ci - b * si
+                kpre[t, h, i + half] = b * ci + a * si
+        kw = np.empty((H, d), np.float32)
+        tot = 0.0
+        for h in range(H):
+            acc = 0.0
+            for c in range(d):
+                v = kpre[t, h, c] * w[h, c]
+                kw[h, c] = v
+                acc += np.float64(v) * np.float64(v)
+            if scale_mode == 2:
+                sb = _f32_to_half_bits(max(np.float32(math.sqrt(acc / d)), np.float32(1e-6)))
+                scale_bits[t, h] = sb
+                sf = _half_bits_to_f32(sb)
+                for c in range(d):
+                    kw[h, c] = kw[h, c] / sf
+            tot += acc
+        if scale_mode == 1:
+            sb = _f32_to_half_bits(max(np.float32(math.sqrt(tot / (H * d))), np.float32(1e-6)))
+            scale_bits[t, 0] = sb
+            sf = _half_bits_to_f32(sb)
+            for h in range(H):
+                for c in range(d):
+                    kw[h, c] = kw[h, c] / sf
+        for h in range(H):
+            for j in range(Gk):
+                for l in range(gk):
+                    x[t, h * Gk + j, l] = kw[h, kperm[h, j * gk + l]]
+
+
+_tailor_keys = njit(parallel=True, cache=True, nogil=True)(_tailor_keys_py)
+_tailor_keys_serial = njit(cache=True, nogil=True)(_tailor_keys_py)
+
+
+def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf,
+                   kpre, v, wring, widx, win_k, win_v):
+    """Pack codes [T, n] into pool rows ``loc`` (key row: codes ++ fp16 scale bytes, little
+    endian), and store the window tokens (wring[t] > 0) as bf16 at [wring[t], widx[t]]."""
+    T, nk = kcodes.shape
+    nv = vcodes.shape[1]
+    Hs = scale_bits.shape[1]
+    H, d = kpre.shape[1], kpre.shape[2]
+    for t in prange(T):
+        slot = loc[t]
+        for b in range(code_bytes_k):
+            kbuf[slot, b] = 0
+        for i in range(nk):
+            start = i * bits_k
+            word = np.int64(kcodes[t, i]) << (start & 7)
+            byte = start >> 3
+            k = 0
+            while (start & 7) + bits_k > 8 * k:
+                kbuf[slot, byte + k] |= np.uint8((word >> (8 * k)) & 0xFF)
+                k += 1
+        for hs in range(Hs):
+            kbuf[slot, code_bytes_k + 2 * hs] = np.uint8(scale_bits[t, hs] & 0xFF)
+            kbuf[slot, code_bytes_k + 2 * hs + 1] = np.uint8(scale_bits[t, hs] >> 8)
+        for b in range(vbuf.shape[1]):
+            vbuf[slot, b] = 0
+        for i in range(nv):
+            start = i * bits_v
+            word = np.int64(vcodes[t, i]) << (start & 7)
+            byte = start >> 3
+            k = 0
+            while (start & 7) + bits_v > 8 * k:
+                vbuf[slot, byte + k] |= np.uint8((word >> (8 * k)) & 0xFF)
+                k += 1
+        r = wring[t]
+        if r > 0:
+            wi = widx[t]
+            for h in range(H):
+                for c in range(d):
+                    win_k[r, wi, h, c] = _f32_to_bf16_bits(kpre[t, h, c])
+                    win_v[r, wi, h, c] = _f32_to_bf16_bits(v[t, h, c])
+
+
+_write_rows = njit(parallel=True, cache=True, nogil=True)(_write_rows_py)
+_write_rows_serial = njit(cache=True, nogil=True)(_write_rows_py)
+
+
+class PoolEncoder:
+    """Encode one layer's new tokens straight into a TaSQ pool (keys un-rotated, tailored,
+    coded, packed; values coded, packed; window tokens copied to bf16 rings).
+
+    Equals the pool's reference path (``rope.apply_rope(inverse) -> codec.key_tailor ->
+    codec.nearest_codeword -> codec.pack_codes``) up to float rounding: the shared scale's
+    mean is summed in float64 (fp16 result equal but for rare rounding-boundary cases) and
+    the argmin has :func:`nearest`'s tie caveat."""
+
+    def __init__(self, cb):
+        if cb.k_mix is not None:
+            raise NotImplementedError("the CPU pool encoder serves diagonal (or no) key weighting; "
+                                      "the dense-weighting ablation uses the reference path")
+        self.cb, self.cfg, self.layers = cb, cb.config, {}
+
+    def _layer(self, layer: int):
+        tab = self.layers.get(layer)
+        if tab is None:
+            cb = self.cb
+            tab = self.layers[layer] = (
+                cb.k_weight[layer].detach().float().contiguous().numpy(),
+                cb.k_perm[layer].detach().to(torch.int64).contiguous().numpy(),
+                prepare(cb.tailored_k_codebook(layer)), prepare(cb.v_codebook[layer]))
+        return tab
+
+    def encode_into(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor, k_rows: torch.Tensor,
+                    v_rows: torch.Tensor, code_bytes_k: int, wring: torch.Tensor | None = None,
+                    widx: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
+                    win_v: torch.Tensor | None = None) -> bool:
+        """k_post/v [T, H, d] (any float dtype), positions [T] (< len(cos)), loc [T] slots of
+        k_rows/v_rows (uint8 pool buffers, written in place); optional window targets wring [T]
+        (ring, 0 = none) and widx [T] into bf16 rings win_k/win_v [R, W, H, d].
+
+        Returns False, having written nothing, when a tailored key or a value is not finite
+        (the caller then uses the reference path, whose argmin defines that case)."""
+        cfg = self.cfg
+        T, H, d = k_post.shape
+        if T == 0:
+            return True
+        for buf in (k_rows, v_rows, win_k, win_v):
+            if buf is not None and not buf.is_contiguous():
+                raise ValueError("PoolEncoder writes in place: pool buffers must be contiguous")
+        w, kperm, (kcbt, kcn), (vcbt, vcn) = self._layer(layer)
+        gk, gv = cfg.group_size_k, cfg.group_size_v
+        small = T < _SERIAL_BELOW
+        kf = k_post.detach().float().contiguous().numpy()
+        vf = v.detach().float().contiguous().numpy()
+        kpre = np.empty((T, H, d), np.float32)
+        x = np.empty((T, H * (d // gk), gk), np.float32)
+        Hs = {"shared": 1, "per_head": H, "none": 0}[cfg.scale]
+        sbits = np.zeros((T, Hs), np.uint16)
+        (_tailor_keys_serial if small else _tailor_keys)(
+            kf, positions.to(torch.int64).contiguous().numpy(), cos.float().contiguous().numpy(),
+            sin.float().contiguous().numpy(), w, kperm, _SCALE_MODE[cfg.scale], gk, kpre, x, sbits)
+        if not (np.isfinite(x).all() and np.isfinite(vf).all()):
+            return False
+        kcodes = np.empty((T, x.shape[1]), np.int32)
+        vcodes = np.empty((T, H * (d // gv)), np.int32)
+        near = _nearest_serial if small else _nearest
+        near(x, kcbt, kcn, _ARGMIN_CHUNK, kcodes)
+        near(vf.reshape(T, H * (d // gv), gv), vcbt, vcn, _ARGMIN_CHUNK, vcodes)
+        if wring is None:
+            wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
+            wk = wv = _NO_RING[0]
+        else:
+            wr, wi = wring.to(torch.int64).contiguous().numpy(), widx.to(torch.int64).contiguous().numpy()
+            wk, wv = _u16(win_k), _u16(win_v)
+        (_write_rows_serial if small else _write_rows)(
+            kcodes, sbits, vcodes, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
+            loc.to(torch.int64).contiguous().numpy(), k_rows.numpy(), v_rows.numpy(), kpre, vf, wr, wi, wk, wv)
+        return True

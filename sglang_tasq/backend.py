@@ -57,7 +57,6 @@ class TaSQAttnBackend(AttentionBackend):
         self.codebooks = self.pool.codebooks
         self.forward_metadata = None
         self._cuda = None
-        self._rope_tab = None
         # Numba CPU decode kernel: all requests of a decode batch in one call per layer
         self._decode_kernel = self.pool.cpu_kernels and self.codebooks.k_unmix is None
         self._decode_tables = {}
@@ -112,8 +111,11 @@ class TaSQAttnBackend(AttentionBackend):
             out = self._cuda.forward(q3, k, v, layer, fb, md, save_kv_cache)
             return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
         if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=fb.positions.to(torch.int64),
-                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"])
+            if "win_targets" not in md:  # once per forward (the same for every layer)
+                md["positions"] = fb.positions.to(torch.int64)
+                md["win_targets"] = self.pool.window_targets(md["positions"], md["rows"], md["tok_seq_lens"])
+            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"],
+                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"], win_targets=md["win_targets"])
         H = layer.tp_k_head_num
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None
@@ -137,6 +139,10 @@ class TaSQAttnBackend(AttentionBackend):
         """
         Tq = q.shape[0]
         P = S - Tq if chunk is not None else S
+        if P == 0 and chunk is not None:
+            # no prefix: plain causal attention over the exact chunk, in the model's dtype (what
+            # the bf16 torch_native backend computes; nothing is read from codes)
+            return _sdpa(q, chunk[0], chunk[1], layer.scaling, dtype=q.dtype)
         slots = self.req_to_token_pool.req_to_token[row, :P].to(torch.int64)
         k_pre, v = self.pool.read_request(layer.layer_id, slots, row, S)
         cos, sin = self._cos_sin(P, q.device)  # == apply_rope at positions 0..P-1 (same table values)
@@ -155,32 +161,31 @@ class TaSQAttnBackend(AttentionBackend):
         if tab is None:
             tab = self._decode_tables[layer.layer_id] = cpu.DecodeTables(self.codebooks, layer.layer_id)
         cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)
-        wk = wv = wp = None
-        if md["rings"] is not None:
-            rings = md["rings"]
-            wk, wv, wp = pool.win_k[lid][rings], pool.win_v[lid][rings], pool.win_pos[rings]
+        rings = md["rings"]
+        wk, wv, wp = (pool.win_k[lid], pool.win_v[lid], pool.win_pos) if rings is not None else (None, None, None)
         return cpu.decode_attention(q3, pool.k_buffer[lid], pool.v_buffer[lid], md["kv_indptr"], md["kv_indices"],
                                     tab, pool.tasq_config, pool.code_bytes_k, cos.squeeze(1), sin.squeeze(1),
-                                    layer.scaling, wk, wv, wp)
+                                    layer.scaling, rings, wk, wv, wp)
 
     def _cos_sin(self, n: int, device):
-        """cos, sin [n, 1, d/2] of positions 0..n-1 (rope.cos_sin, cached and grown by doubling)."""
-        tab = self._rope_tab
-        if tab is None or tab[0].shape[0] < n or tab[0].device != torch.device(device):
-            m = max(n, 2 * (tab[0].shape[0] if tab is not None else 0), 1024)
+        """cos, sin [n, 1, d/2] of positions 0..n-1 (the pool's cached ``rope.cos_sin`` table)."""
+        if torch.device(device) != torch.device(self.pool.device):
             cb = self.codebooks
-            cos, sin = cos_sin(torch.arange(m, device=device), cb.inv_freq.to(device), cb.attention_scaling)
-            tab = self._rope_tab = (cos.unsqueeze(1), sin.unsqueeze(1))
-        return tab[0][:n], tab[1][:n]
+            cos, sin = cos_sin(torch.arange(n, device=device), cb.inv_freq.to(device), cb.attention_scaling)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self.pool.rope_table(n)
+        return cos[:n].unsqueeze(1), sin[:n].unsqueeze(1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Causal fp32 attention (GQA) of q [Tq, Hq, d] at the last Tq of S positions over k, v
-    [S, H, d] -> [Tq, Hq, d]; equals :func:`codec.attention_dense` up to float rounding."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Causal attention (GQA, in ``dtype``; fp32 by default) of q [Tq, Hq, d] at the last Tq of
+    S positions over k, v [S, H, d] -> [Tq, Hq, d]; equals :func:`codec.attention_dense` up to
+    float rounding."""
     Tq, S = q.shape[0], k.shape[0]
-    qh = q.float().transpose(0, 1).unsqueeze(0)
-    kh = k.float().transpose(0, 1).unsqueeze(0)
-    vh = v.float().transpose(0, 1).unsqueeze(0)
+    qh = q.to(dtype).transpose(0, 1).unsqueeze(0)
+    kh = k.to(dtype).transpose(0, 1).unsqueeze(0)
+    vh = v.to(dtype).transpose(0, 1).unsqueeze(0)
     mask, causal = None, False
     if Tq == S:
         causal = Tq > 1

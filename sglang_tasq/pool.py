@@ -102,6 +102,12 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self._near_k = fastpath.layer_nearest(self.codebooks.tailored_k_codebook)
         self._near_v = fastpath.layer_nearest(lambda layer: self.codebooks.v_codebook[layer])
         self._unpack_idx, self._dec_tables = {}, {}
+        self._rope = None
+        self._encoder = None
+        if self.cpu_kernels and self.codebooks.k_mix is None:
+            from numba_kernels.cpu import PoolEncoder
+
+            self._encoder = PoolEncoder(self.codebooks)
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
@@ -157,13 +163,36 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         return (positions < cfg.sink_window) | (positions >= seq_len - cfg.recent_window)
 
     # ---- writes ----------------------------------------------------------------------------
+    def rope_table(self, n: int):
+        """cos, sin [m >= n, d/2] float32 for positions 0..m-1 (``rope.cos_sin``; cached, grown by doubling)."""
+        tab = self._rope
+        if tab is None or tab[0].shape[0] < n:
+            from .rope import cos_sin
+
+            m = max(n, 2 * (tab[0].shape[0] if tab is not None else 0), 1024)
+            cb = self.codebooks
+            tab = self._rope = cos_sin(torch.arange(m, device=self.device), cb.inv_freq.to(self.device),
+                                       cb.attention_scaling)
+        return tab
+
+    def window_targets(self, positions, req_rows, seq_lens):
+        """(ring [T], ring index [T]) where each of T new tokens goes (ring 0: not kept), or None
+        without rings. Same for every layer of a forward: the backend computes it once."""
+        if self.ring_of is None or req_rows is None:
+            return None
+        keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
+        ring = self.ring_of[req_rows]
+        keep = keep & (ring > 0)
+        return torch.where(keep, ring, 0), self.window_index(positions), torch.where(keep, positions, -1)
+
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, positions=None, req_rows=None,
-                      seq_lens=None, **kwargs):
+                      seq_lens=None, win_targets=None, **kwargs):
         """Encode and store one layer's new tokens.
 
         cache_k: [T, H*d] or [T, H, d] POST-RoPE keys; cache_v likewise; positions [T] int
         (required: keys are un-rotated before encoding); req_rows [T] request row of each
-        token and seq_lens [T] the request's kv length after this forward (for the windows).
+        token and seq_lens [T] the request's kv length after this forward (for the windows);
+        win_targets: :meth:`window_targets` of those, when the caller has it already.
         """
         if positions is None:
             raise NotImplementedError("TaSQTokenToKVPool.set_kv_buffer needs positions= (keys arrive "
@@ -172,6 +201,21 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         lid = layer.layer_id - self.start_layer
         T, H, d = loc.shape[0], self.head_num, self.head_dim
         cb = self.codebooks
+        if self._encoder is not None and T and not cache_k.is_cuda:
+            if win_targets is None:
+                win_targets = self.window_targets(positions, req_rows, seq_lens)
+            cos, sin = self.rope_table(int(positions.max()) + 1)
+            wr = wi = None
+            if win_targets is not None:
+                wr, wi, wpos = win_targets
+            done = self._encoder.encode_into(
+                layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos, sin, loc,
+                self.k_buffer[lid], self.v_buffer[lid], self.code_bytes_k, wr, wi,
+                self.win_k[lid] if wr is not None else None, self.win_v[lid] if wr is not None else None)
+            if done:
+                if wr is not None and lid == 0:
+                    self.win_pos[wr, wi] = wpos
+                return
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)
         x, k_scale = codec.key_tailor(k_pre, cb, layer.layer_id)  # == codec.encode_keys / encode_values

@@ -97,7 +97,8 @@ def test_fast_decode_matches_reference(scale):
 def test_cached_rope_table_matches_apply_rope():
     cb = _real_or_random()
     be = TaSQAttnBackend.__new__(TaSQAttnBackend)
-    be.codebooks, be._rope_tab = cb, None
+    be.codebooks, be.pool = cb, _pool(cb)
+    be.pool._rope, be.pool.device = None, "cpu"
     from sglang_tasq.rope import rotate
 
     torch.manual_seed(2)

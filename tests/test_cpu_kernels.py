@@ -90,19 +90,20 @@ def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
     B = len(seq_lens)
     W = cfg.sink_window + cfg.recent_window
     win = None
-    if windows:
-        wk = torch.randn(B, W, H, d, generator=gen).to(torch.bfloat16)
-        wv = torch.randn(B, W, H, d, generator=gen).to(torch.bfloat16)
-        wp = torch.full((B, W), -1, dtype=torch.int64)
+    if windows:  # ring b + 1 for request b (ring 0: none), except every third request
+        rings = torch.tensor([0 if b % 3 == 2 else b + 1 for b in range(B)])
+        wk = torch.randn(B + 1, W, H, d, generator=gen).to(torch.bfloat16)
+        wv = torch.randn(B + 1, W, H, d, generator=gen).to(torch.bfloat16)
+        wp = torch.full((B + 1, W), -1, dtype=torch.int64)
         for b, S in enumerate(seq_lens):
             for p in range(S):
-                if b % 3 == 2:
-                    continue  # a request without a ring
+                if not rings[b]:
+                    continue
                 if p < cfg.sink_window:
-                    wp[b, p] = p
+                    wp[b + 1, p] = p
                 elif cfg.recent_window and p >= S - cfg.recent_window - 2:  # incl. stale entries
-                    wp[b, cfg.sink_window + p % cfg.recent_window] = p
-        win = (wk, wv, wp)
+                    wp[b + 1, cfg.sink_window + p % cfg.recent_window] = p
+        win = (rings, wk, wv, wp)
     q = torch.randn(B, Hq, d, generator=gen)
     return cb, kb, k_rows, v_rows, slots, q, win
 
@@ -126,12 +127,13 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
         pos = torch.arange(S)
         kw = vw = mask = None
         if win is not None:
-            wk, wv, wp = win
+            rings, wk, wv, wp = win
+            ring = int(rings[b])
             sink, recent = cfg.sink_window, cfg.recent_window
             idx = torch.where(pos < sink, pos, sink + (pos % recent if recent else 0)).clamp(max=wp.shape[1] - 1)
             inw = (pos < sink) | (pos >= S - recent)
-            mask = inw & (wp[b, idx] == pos)
-            kw, vw = wk[b, idx], wv[b, idx]
+            mask = inw & (wp[ring, idx] == pos) & (ring > 0)
+            kw, vw = wk[ring, idx], wv[ring, idx]
         o = codec.attention_over_codes(q[b:b + 1], torch.tensor([S - 1]), kc, scale, vc, pos, cb, 0, sm_scale,
                                        k_full=kw, v_full=vw, full_mask=mask)
         outs.append(o[0])
@@ -151,9 +153,9 @@ def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens):
     ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale)
     indptr = torch.tensor([0] + seq_lens).cumsum(0)
     cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
-    wk, wv, wp = win if win is not None else (None, None, None)
+    rings, wk, wv, wp = win if win is not None else (None, None, None, None)
     got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
-                               sm_scale, wk, wv, wp)
+                               sm_scale, rings, wk, wv, wp)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
@@ -220,3 +222,44 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
             decodes += mode == "decode"
     assert decodes == 8
     assert worst < 1e-5, worst
+
+
+def test_pool_encoder_writes_what_the_reference_path_writes():
+    """Fused Numba encode (un-rotate, tailor, scale, nearest, pack, window rings) vs the pool's
+    plain-torch path, token by token, on two real TaSQTokenToKVPools."""
+    import types
+
+    from test_serve_cuda import _setup
+
+    (pool_n, pool_t), _ = _setup("2")
+    assert pool_n._encoder is not None
+    pool_t._encoder = None
+    layer = types.SimpleNamespace(layer_id=1)
+    gen = torch.Generator().manual_seed(9)
+    for pool in (pool_n, pool_t):  # request rows 0, 1 bound to rings 1 and 2, row 2 without a ring
+        pool.ring_of[:3] = torch.tensor([1, 2, 0])
+    T = 70
+    positions = torch.cat([torch.arange(40), torch.arange(1000, 1020), torch.arange(3, 13)])
+    req_rows = torch.cat([torch.zeros(40), torch.ones(20), torch.full((10,), 2)]).long()
+    seq_lens = torch.cat([torch.full((40,), 40), torch.full((20,), 1020), torch.full((10,), 13)])
+    loc = torch.randperm(95, generator=gen)[:T] + 1
+    k = (torch.randn(T, 32, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(T, 32, generator=gen).to(torch.bfloat16)
+    for pool in (pool_n, pool_t):
+        pool.set_kv_buffer(layer, loc, k, v, positions=positions, req_rows=req_rows, seq_lens=seq_lens)
+    kb, vb = pool_n.k_buffer[1][loc], pool_t.k_buffer[1][loc]
+    same_rows = (kb == vb).all(1).float().mean().item()
+    assert same_rows >= 0.95, same_rows  # a row differs only on a float near-tie (or scale rounding)
+    assert torch.equal(kb[:, -2:], vb[:, -2:]) or (kb[:, -2:] != vb[:, -2:]).any(1).sum() <= 1  # fp16 scales
+    assert (pool_n.v_buffer[1][loc] == pool_t.v_buffer[1][loc]).all(1).float().mean().item() >= 0.95
+    # ring 0 is the reference path's never-read dump for dropped tokens: compare the real rings
+    assert torch.equal(pool_n.win_k[1][1:], pool_t.win_k[1][1:]) and torch.equal(pool_n.win_v[1][1:], pool_t.win_v[1][1:])
+    assert bool((pool_n.win_k[1][1:] != 0).any())
+    # single-token (serial kernels) writes, as in decode
+    for i in range(3):
+        one = slice(i, i + 1)
+        for pool in (pool_n, pool_t):
+            pool.set_kv_buffer(types.SimpleNamespace(layer_id=0), loc[one], k[one], v[one], positions=positions[one],
+                               req_rows=req_rows[one], seq_lens=seq_lens[one])
+    assert torch.equal(pool_n.win_pos, pool_t.win_pos)
+    assert torch.equal(pool_n.k_buffer[0][loc[:3]], pool_t.k_buffer[0][loc[:3]])

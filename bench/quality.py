@@ -81,8 +81,8 @@ class QualityConfig:
         return f"{self.model}_{tag}_{self.preset}_{h}"
 
 
-QUICK = dict(preset="fast", methods=("bf16", "cq", "tasq"), benches=("perplexity", "ruler"), ppl_windows=2,
-             ood_windows=1, niah_lengths=(1024, 2048), niah_samples=1, niah_methods=(), quick=True)
+QUICK = dict(preset="fast", methods=("bf16", "cq", "tasq"), benches=("perplexity", "ruler"), ppl_windows=1,
+             ood_windows=1, niah_lengths=(1024,), niah_samples=1, niah_methods=(), quick=True)
 
 
 @dataclass
@@ -176,7 +176,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", 
-                    help="CI preset: bf16/cq/tasq, fast artifacts, 2+1 PPL windows, NIAH 1k/2k x 1 sample")
+                    help="CI preset: bf16/cq/tasq, fast artifacts, 1+1 PPL windows, NIAH 1k x 1 sample per task")
     ap.add_argument("--model")
     ap.add_argument("--preset", choices=("default", "fast"))
     ap.add_argument("--methods", help=f"comma list of {M.METHODS} or rate points like tasq@g8k256")

@@ -5,6 +5,7 @@ Modules: ``tables`` (one layer's kernel-ready codebooks, :class:`LayerTables`), 
 ``attention`` (group-major split-K attention over the compressed cache + split reduction),
 ``extend`` (causal chunk part of prefill), ``ops`` (launch wrappers: ``encode_kv``,
 ``decode_attention``, ``extend_attention``), ``reference`` (plain-torch twins built on
-sglang_tasq.codec), ``sim_cases`` / ``ptx_report`` (test drivers run in child processes).
-Importing this package does not import numba; ``ops`` does.
+sglang_tasq.codec), ``sim_cases`` / ``ptx_report`` (test drivers run in child processes),
+and ``cpu`` (Numba CPU ``njit`` kernels of the CPU serving path and the HF cache).
+Importing this package does not import numba; ``ops`` and ``cpu`` do.
 """

@@ -40,8 +40,13 @@ def prompts(tok):
     from engine_worker import chat_ids
 
     prefix = _long_prompt(tok, 60)  # ~500 tokens: past sink + recent, so codes are read
+    from bench import niah
+
+    needles = niah.generate_samples("niah_single_1", tok, 2048, 2, formatter=niah.chat_formatter(tok))
     return {"chat": chat_ids(tok, "What is the capital of France?"), "long": _long_prompt(tok, 70),
-            "prefix": prefix, "shared": [prefix + tok.encode(s) for s in SUFFIXES]}
+            "prefix": prefix, "shared": [prefix + tok.encode(s) for s in SUFFIXES],
+            "needle": [tok(s["prompt"], add_special_tokens=False)["input_ids"] for s in needles],
+            "needle_gold": [s["outputs"] for s in needles]}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,7 @@ def tasq_run(artifact, prompts, tmp_path_factory):
              {"op": "flush"}, warm, gen(prompts["shared"], GREEDY, False)]
     for ids in prompts["shared"]:  # same cache state as the batch saw: only the prefix cached
         tasks += [{"op": "flush"}, warm, gen(ids, GREEDY, False)]
+    tasks += [{"op": "flush"}] + [gen(ids, dict(GREEDY, max_new_tokens=24), False) for ids in prompts["needle"]]
     spec = {"engine": {"model_path": str(model_dir()), "mem_fraction_static": 0.05},
             "tasq_config": str(artifact[0]), "tasks": tasks}
     rc, out, err = run_worker(spec, tmp_path_factory.mktemp("tq"), "tasq", env={"SGLANG_TASQ_WINDOW_ROWS": str(RINGS)})
@@ -121,3 +127,14 @@ def test_shared_prefix_batch_equals_one_by_one(tasq_run):
     batch = [o["output_ids"] for o in tasq_run[5]["outputs"]]
     single = [r["outputs"][0]["output_ids"] for r in tasq_run[8::3]]
     assert batch == single
+
+
+def test_single_needle_ruler_2k(tasq_run, prompts):
+    """RULER niah_single_1 at 2,048 tokens (2 samples, string_match_all): the needles sit at
+    tokens ~940 and ~1540 of ~1910, outside the sink (64) and recent (256) windows, so their
+    keys and values are read from codes."""
+    from bench import niah
+
+    n = len(prompts["needle"])
+    preds = [r["outputs"][0]["text"] for r in tasq_run[-n:]]
+    assert niah.string_match_all(preds, prompts["needle_gold"]) == 100.0, (preds, prompts["needle_gold"])

@@ -51,6 +51,7 @@ class QualityConfig:
     kl_stride: int = 32
     niah_lengths: tuple = (1024, 2048, 4096, 8192)
     niah_samples: int = 2
+    niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
     niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
     pos_len: int = 8192
@@ -82,7 +83,8 @@ class QualityConfig:
 
 
 QUICK = dict(preset="fast", methods=("bf16", "cq", "tasq"), benches=("perplexity", "ruler"), ppl_windows=1,
-             ood_windows=1, niah_lengths=(1024,), niah_samples=1, niah_methods=(), quick=True)
+             ood_windows=1, niah_lengths=(1024,), niah_samples=1, niah_max_new=64, niah_methods=("bf16", "tasq"),
+             quick=True)
 
 
 @dataclass
@@ -176,7 +178,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", 
-                    help="CI preset: bf16/cq/tasq, fast artifacts, 1+1 PPL windows, NIAH 1k x 1 sample per task")
+                    help="CI preset: bf16/cq/tasq, fast artifacts, 1+1 PPL windows; NIAH (bf16, tasq) 1k x 1 sample per task, <= 64 new tokens")
     ap.add_argument("--model")
     ap.add_argument("--preset", choices=("default", "fast"))
     ap.add_argument("--methods", help=f"comma list of {M.METHODS} or rate points like tasq@g8k256")

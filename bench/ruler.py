@@ -55,12 +55,18 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
     return tok.decode(out, skip_special_tokens=True)
 
 
-def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, tasks=tuple(niah.TASKS)) -> dict:
-    """{'tasks': {task: 0-100}, 'avg': mean over tasks, 'preds': [...], 'seconds'}."""
+def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, tasks=tuple(niah.TASKS),
+             max_new: int | None = None) -> dict:
+    """{'tasks': {task: 0-100}, 'avg': mean over tasks, 'preds': [...], 'seconds'}.
+
+    max_new: cap on generated tokens (None: RULER's 128). Answers come first (up to four
+    7-digit numbers or UUIDs, < 64 tokens), so the quick preset's cap of 64 only shortens
+    the runs of a method that never produces them."""
     t0, scores, preds = time.time(), {}, []
     for task in tasks:
         samples = _samples(tok, task, length, n)
-        outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"], s["max_new_tokens"])
+        outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"],
+                       min(s["max_new_tokens"], max_new or s["max_new_tokens"]))
                 for s in samples]
         scores[task] = niah.string_match_all(outs, [s["outputs"] for s in samples])
         preds += [{"task": task, "index": s["index"], "length": s["length"], "gold": s["outputs"], "pred": o}
@@ -85,7 +91,7 @@ def run(ctx, settings=("none", "64+256")) -> dict:
                 def work():
                     ctx.log(f"[ruler] {name} windows={key} length={length} n={cfg.niah_samples}")
                     return evaluate(ctx.model, ctx.tok, ctx.methods[name], *parse_windows(key), length,
-                                    cfg.niah_samples, cfg.niah_tasks)
+                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new)
 
                 res.setdefault(name, {}).setdefault(setting, {})[str(length)] = cached(path, work)
     return res

@@ -497,6 +497,21 @@ _tailor_keys = njit(parallel=True, cache=True, nogil=True)(_tailor_keys_py)
 _tailor_keys_serial = njit(cache=True, nogil=True)(_tailor_keys_py)
 
 
+@njit(cache=True, inline="always")
+def _pack_row(codes, t, n, bits, buf, slot, nbytes):
+    """buf[slot, :nbytes] = codes[t, :n] packed (little-endian bit stream, codec.pack_codes)."""
+    for b in range(nbytes):
+        buf[slot, b] = 0
+    for i in range(n):
+        start = i * bits
+        word = np.int64(codes[t, i]) << (start & 7)
+        byte = start >> 3
+        k = 0
+        while (start & 7) + bits > 8 * k:
+            buf[slot, byte + k] |= np.uint8((word >> (8 * k)) & 0xFF)
+            k += 1
+
+
 def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf,
                    kpre, v, wring, widx, win_k, win_v):
     """Pack codes [T, n] into pool rows ``loc`` (key row: codes ++ fp16 scale bytes, little
@@ -507,29 +522,11 @@ def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc
     H, d = kpre.shape[1], kpre.shape[2]
     for t in prange(T):
         slot = loc[t]
-        for b in range(code_bytes_k):
-            kbuf[slot, b] = 0
-        for i in range(nk):
-            start = i * bits_k
-            word = np.int64(kcodes[t, i]) << (start & 7)
-            byte = start >> 3
-            k = 0
-            while (start & 7) + bits_k > 8 * k:
-                kbuf[slot, byte + k] |= np.uint8((word >> (8 * k)) & 0xFF)
-                k += 1
+        _pack_row(kcodes, t, nk, bits_k, kbuf, slot, code_bytes_k)
         for hs in range(Hs):
             kbuf[slot, code_bytes_k + 2 * hs] = np.uint8(scale_bits[t, hs] & 0xFF)
             kbuf[slot, code_bytes_k + 2 * hs + 1] = np.uint8(scale_bits[t, hs] >> 8)
-        for b in range(vbuf.shape[1]):
-            vbuf[slot, b] = 0
-        for i in range(nv):
-            start = i * bits_v
-            word = np.int64(vcodes[t, i]) << (start & 7)
-            byte = start >> 3
-            k = 0
-            while (start & 7) + bits_v > 8 * k:
-                vbuf[slot, byte + k] |= np.uint8((word >> (8 * k)) & 0xFF)
-                k += 1
+        _pack_row(vcodes, t, nv, bits_v, vbuf, slot, vbuf.shape[1])
         r = wring[t]
         if r > 0:
             wi = widx[t]

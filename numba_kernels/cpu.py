@@ -279,6 +279,16 @@ def _code_at(buf2d, slot, n, bits, nbytes):
     return (word >> (start & 7)) & ((np.int64(1) << bits) - 1)
 
 
+@njit(cache=True, inline="always")
+def _ring_index(win_pos, ring, t, S, sink, recent):
+    """Ring entry holding position t of a request of length S (sink/recent rule), or -1."""
+    if ring > 0 and (t < sink or t >= S - recent):
+        wi = t if t < sink else sink + t % recent
+        if win_pos[ring, wi] == t:
+            return wi
+    return -1
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, bits_v, code_bytes_k,
                       scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale, out):
@@ -313,11 +323,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         kp = np.empty(d, np.float32)
         kr = np.empty(d, np.float32)
         for t in range(S):
-            widx = -1
-            if ring > 0 and (t < sink or t >= S - recent):
-                wi = t if t < sink else sink + t % recent
-                if win_pos[ring, wi] == t:
-                    widx = wi
+            widx = _ring_index(win_pos, ring, t, S, sink, recent)
             s = np.float32(1.0)
             if widx >= 0:
                 for c in range(d):
@@ -362,11 +368,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         acc_o = np.zeros((rep, d), np.float32)
         vt = np.empty(d, np.float32)
         for t in range(S):
-            widx = -1
-            if ring > 0 and (t < sink or t >= S - recent):
-                wi = t if t < sink else sink + t % recent
-                if win_pos[ring, wi] == t:
-                    widx = wi
+            widx = _ring_index(win_pos, ring, t, S, sink, recent)
             if widx >= 0:
                 for r in range(rep):
                     p = logits[r, t]

@@ -53,6 +53,7 @@ class QualityConfig:
     niah_samples: int = 2
     niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
+    niah_view: str = "decode"  # "decode": prompt attends through the windows too; "serving": exact prefill
     niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
     pos_len: int = 8192
     pos_windows: int = 2
@@ -71,6 +72,8 @@ class QualityConfig:
         bad = set(self.benches) - set(BENCHES)
         if bad:
             raise ValueError(f"benches {sorted(bad)}: allowed {BENCHES}")
+        if self.niah_view not in ruler.VIEWS:
+            raise ValueError(f"niah_view {self.niah_view!r}: allowed {ruler.VIEWS}")
         if self.preset not in ("default", "fast"):
             raise ValueError(f"preset {self.preset!r}: allowed 'default', 'fast'")
 
@@ -144,7 +147,7 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     header = (f"# KV quality: {cfg.model}, run {cfg.name()}\n\nWindows 'none' read every token from codes; '64+256' keeps "
               f"64 sink + 256 recent tokens exact per query (decode view). PPL on {cfg.ppl_windows} x {cfg.ppl_len} "
               f"held-out wiki tokens and {cfg.ood_windows} x {cfg.ppl_len} held-out stdlib code; NIAH: "
-              f"{cfg.niah_samples} sample(s) per task and length. Artifacts: preset '{cfg.preset}'. "
+              f"{cfg.niah_samples} sample(s) per task and length, {cfg.niah_view} view. Artifacts: preset '{cfg.preset}'. "
               f"Hardware: {env['cpu']}, {env['threads']} threads, torch {env['torch']}.")
     plain_ruler = {m: {s: {k: {kk: vv for kk, vv in r.items() if kk != "preds"} for k, r in by_l.items()}
                        for s, by_l in by_s.items()} for m, by_s in nia.items()}
@@ -189,6 +192,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-samples", type=int)
     ap.add_argument("--niah-tasks", help="comma list of tasks (default all 8)")
     ap.add_argument("--niah-methods", help="comma list; empty string = all methods")
+    ap.add_argument("--niah-view", choices=ruler.VIEWS,
+                    help="decode (default): the prompt is read through the windows too; serving: exact prefill")
     ap.add_argument("--pos-windows", type=int)
     ap.add_argument("--sweep-windows", type=int)
     ap.add_argument("--artifact", action="append", default=[], 
@@ -198,7 +203,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     a = ap.parse_args(argv)
     kw = dict(QUICK) if a.quick else {}
     simple = {"model": a.model, "preset": a.preset, "ppl_windows": a.ppl_windows, "ood_windows": a.ood_windows,
-              "niah_samples": a.niah_samples, "pos_windows": a.pos_windows, "sweep_windows": a.sweep_windows,
+              "niah_samples": a.niah_samples, "niah_view": a.niah_view, "pos_windows": a.pos_windows, "sweep_windows": a.sweep_windows,
               "artifact_root": a.artifact_root}
     kw.update({k: v for k, v in simple.items() if v is not None})
     for key, val, conv in (("methods", a.methods, str), ("benches", a.benches, str), ("niah_lengths", a.niah_lengths, int),

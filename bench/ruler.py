@@ -19,6 +19,9 @@ from . import niah
 from .attention_error import Probe, ProbeCache, active
 
 
+VIEWS = ("decode", "serving")
+
+
 @lru_cache(maxsize=64)
 def _samples(tok, task: str, length: int, n: int) -> tuple:
     return tuple(niah.generate_samples(task, tok, length, n, formatter=niah.chat_formatter(tok)))
@@ -36,13 +39,23 @@ def _found_all(text: str, gold) -> bool:
 
 
 @torch.no_grad()
-def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max_new: int = 128) -> str:
-    """Greedy continuation of ``prompt`` (no special tokens added) under ``method``."""
+def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max_new: int = 128,
+           view: str = "decode") -> str:
+    """Greedy continuation of ``prompt`` (no special tokens added) under ``method``.
+
+    view "decode": prompt tokens attend through the decode view too (the strict measure);
+    "serving": the prompt attends exactly, as an engine's one-chunk prefill does (SGLang
+    attends over the new chunk before it is stored), and every generated token reads the
+    prompt from codes outside the windows."""
+    if view not in VIEWS:
+        raise ValueError(f"view {view!r}: allowed {VIEWS}")
     ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
     eos, out = _eos_ids(model, tok), []
     cache = ProbeCache(method)
-    with active(Probe(cache, sink, recent)):
+    probe = Probe(cache, len(ids), 0) if view == "serving" else Probe(cache, sink, recent)
+    with active(probe):
         h = model.model(input_ids=ids[None], past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
+        probe.sink, probe.recent = sink, recent
         for _ in range(max_new):
             nxt = int(model.lm_head(h).argmax())
             if nxt in eos:
@@ -56,7 +69,7 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
 
 
 def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, tasks=tuple(niah.TASKS),
-             max_new: int | None = None) -> dict:
+             max_new: int | None = None, view: str = "decode") -> dict:
     """{'tasks': {task: 0-100}, 'avg': mean over tasks, 'preds': [...], 'seconds'}.
 
     max_new: cap on generated tokens (None: RULER's 128). Answers come first (up to four
@@ -66,13 +79,13 @@ def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, ta
     for task in tasks:
         samples = _samples(tok, task, length, n)
         outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"],
-                       min(s["max_new_tokens"], max_new or s["max_new_tokens"]))
+                       min(s["max_new_tokens"], max_new or s["max_new_tokens"]), view)
                 for s in samples]
         scores[task] = niah.string_match_all(outs, [s["outputs"] for s in samples])
         preds += [{"task": task, "index": s["index"], "length": s["length"], "gold": s["outputs"], "pred": o}
                   for s, o in zip(samples, outs)]
     return {"tasks": scores, "avg": sum(scores.values()) / len(scores), "samples_per_task": n,
-            "length": length, "preds": preds, "seconds": round(time.time() - t0, 1)}
+            "length": length, "view": view, "preds": preds, "seconds": round(time.time() - t0, 1)}
 
 
 def run(ctx, settings=("none", "64+256")) -> dict:
@@ -91,7 +104,7 @@ def run(ctx, settings=("none", "64+256")) -> dict:
                 def work():
                     ctx.log(f"[ruler] {name} windows={key} length={length} n={cfg.niah_samples}")
                     return evaluate(ctx.model, ctx.tok, ctx.methods[name], *parse_windows(key), length,
-                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new)
+                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new, cfg.niah_view)
 
                 res.setdefault(name, {}).setdefault(setting, {})[str(length)] = cached(path, work)
     return res

@@ -100,6 +100,12 @@ def _nearest_py(x, cbt, cn, chunk, out):
                     for i in range(4):
                         out[t + i, n] = _first_min(d4[i], cmin, cidx, K, chunk)
                     t += 4
+            while t < t1 and g == 8:  # one token (decode steps): the same loop, one row
+                a0, a1, a2, a3, a4, a5, a6, a7 = x[t, n, 0], x[t, n, 1], x[t, n, 2], x[t, n, 3], x[t, n, 4], x[t, n, 5], x[t, n, 6], x[t, n, 7]
+                for k in range(K):
+                    d4[0, k] = cn[n, k] - np.float32(2.0) * (a0 * cbt[n, 0, k] + a1 * cbt[n, 1, k] + a2 * cbt[n, 2, k] + a3 * cbt[n, 3, k] + a4 * cbt[n, 4, k] + a5 * cbt[n, 5, k] + a6 * cbt[n, 6, k] + a7 * cbt[n, 7, k])
+                out[t, n] = _first_min(d4[0], cmin, cidx, K, chunk)
+                t += 1
             while t < t1:
                 for k in range(K):
                     d4[0, k] = np.float32(0.0)
@@ -116,22 +122,89 @@ def _nearest_py(x, cbt, cn, chunk, out):
 _nearest = njit(parallel=True, cache=True, nogil=True, fastmath=True)(_nearest_py)
 _nearest_serial = njit(cache=True, nogil=True, fastmath=True)(_nearest_py)  # small batches: no thread launch
 _SERIAL_BELOW = 64  # tokens
+_LANES = 64  # tokens per block of the lane kernel
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath=True)
+def _nearest_lanes(x, cbr, cn, out):
+    """g == 8, many tokens: x [T, N, 8], cbr [N, K, 8] (codeword rows), cn [N, K] -> out [T, N].
+
+    Tokens across SIMD lanes: each (block of 64 tokens, codebook) item keeps a running
+    minimum and its index per token while it walks the codewords two at a time (broadcast
+    codeword, 8 FMAs per lane and codeword, no distance row stored and re-read). Strict
+    ``<`` in index order keeps the first index on exact ties, as the argmin does."""
+    T, N, g = x.shape
+    K = cbr.shape[1]
+    nblocks = (T + _LANES - 1) // _LANES
+    for item in prange(nblocks * N):
+        blk = item // N
+        n = item - blk * N
+        t0 = blk * _LANES
+        nt = min(T, t0 + _LANES) - t0
+        xt = np.zeros((8, _LANES), np.float32)  # -2 x, transposed; padding lanes stay 0
+        for i in range(nt):
+            for j in range(8):
+                xt[j, i] = np.float32(-2.0) * x[t0 + i, n, j]
+        best = np.full(_LANES, np.inf, np.float32)
+        arg = np.zeros(_LANES, np.int32)
+        for k in range(0, K - 1, 2):
+            c0, c1, c2, c3 = cbr[n, k, 0], cbr[n, k, 1], cbr[n, k, 2], cbr[n, k, 3]
+            c4, c5, c6, c7 = cbr[n, k, 4], cbr[n, k, 5], cbr[n, k, 6], cbr[n, k, 7]
+            e0, e1, e2, e3 = cbr[n, k + 1, 0], cbr[n, k + 1, 1], cbr[n, k + 1, 2], cbr[n, k + 1, 3]
+            e4, e5, e6, e7 = cbr[n, k + 1, 4], cbr[n, k + 1, 5], cbr[n, k + 1, 6], cbr[n, k + 1, 7]
+            na, nb = cn[n, k], cn[n, k + 1]
+            ka, kb = np.int32(k), np.int32(k + 1)
+            for i in range(_LANES):
+                a0, a1, a2, a3 = xt[0, i], xt[1, i], xt[2, i], xt[3, i]
+                a4, a5, a6, a7 = xt[4, i], xt[5, i], xt[6, i], xt[7, i]
+                da = na + a0 * c0 + a1 * c1 + a2 * c2 + a3 * c3 + a4 * c4 + a5 * c5 + a6 * c6 + a7 * c7
+                db = nb + a0 * e0 + a1 * e1 + a2 * e2 + a3 * e3 + a4 * e4 + a5 * e5 + a6 * e6 + a7 * e7
+                second = db < da
+                m = db if second else da
+                km = kb if second else ka
+                lt = m < best[i]
+                best[i] = m if lt else best[i]
+                arg[i] = km if lt else arg[i]
+        if K % 2:
+            k = K - 1
+            for i in range(_LANES):
+                dk = cn[n, k]
+                for j in range(8):
+                    dk += xt[j, i] * cbr[n, k, j]
+                if dk < best[i]:
+                    best[i] = dk
+                    arg[i] = np.int32(k)
+        for i in range(nt):
+            out[t0 + i, n] = arg[i]
+
+
+def _search(x: np.ndarray, prepared, out: np.ndarray) -> None:
+    """out [T, N] int32 <- nearest codeword of each x [T, N, g] (finite float32): the lane
+    kernel for g == 8 and >= 64 tokens, the codeword-vector kernel otherwise (serial below
+    64 tokens: no thread launch for a decode step)."""
+    cbt, cn, cbr = prepared
+    T, g = x.shape[0], x.shape[2]
+    if T >= _SERIAL_BELOW and g == 8:
+        _nearest_lanes(x, cbr, cn, out)
+    else:
+        (_nearest if T >= _SERIAL_BELOW else _nearest_serial)(x, cbt, cn, _ARGMIN_CHUNK, out)  # chunk: runtime
 
 
 def prepare(codebook: torch.Tensor):
-    """codebook [H, G, K, g] -> (codewords^T [H*G, g, K], norms [H*G, K]) as float32 numpy."""
+    """codebook [H, G, K, g] -> (codewords^T [H*G, g, K], norms [H*G, K], codewords
+    [H*G, K, g]) as float32 numpy (both layouts: one kernel reads columns, the other rows)."""
     cb = codebook.detach().float().cpu()
     H, G, K, g = cb.shape
-    cbt = cb.reshape(H * G, K, g).transpose(1, 2).contiguous().numpy()
+    cbr = cb.reshape(H * G, K, g).contiguous()
     cn = (cb * cb).sum(-1).reshape(H * G, K).contiguous().numpy()
-    return cbt, cn
+    return cbr.transpose(1, 2).contiguous().numpy(), cn, cbr.numpy()
 
 
 def nearest(x: torch.Tensor, prepared) -> torch.Tensor:
     """x [T, H, G, g] -> codes [T, H, G] int64; ``prepared`` from :func:`prepare`.
 
     Non-finite inputs fall back to the torch reference (its NaN semantics)."""
-    cbt, cn = prepared
+    cbt = prepared[0]
     T, H, G, g = x.shape
     xf = x.detach().float().cpu().reshape(T, H * G, g).contiguous()
     if T and not bool(torch.isfinite(xf).all()):
@@ -141,8 +214,7 @@ def nearest(x: torch.Tensor, prepared) -> torch.Tensor:
         return nearest_codeword(x, cb)
     out = np.empty((T, H * G), np.int32)
     if T:
-        fn = _nearest if T >= _SERIAL_BELOW else _nearest_serial
-        fn(xf.numpy(), cbt, cn, _ARGMIN_CHUNK, out)  # chunk: a runtime value, so loops vectorize
+        _search(xf.numpy(), prepared, out)
     return torch.from_numpy(out).to(torch.int64).view(T, H, G)
 
 
@@ -585,7 +657,7 @@ class PoolEncoder:
         for buf in (k_rows, v_rows, win_k, win_v):
             if buf is not None and not buf.is_contiguous():
                 raise ValueError("PoolEncoder writes in place: pool buffers must be contiguous")
-        w, kperm, (kcbt, kcn), (vcbt, vcn) = self._layer(layer)
+        w, kperm, kprep, vprep = self._layer(layer)
         gk, gv = cfg.group_size_k, cfg.group_size_v
         small = T < _SERIAL_BELOW
         kf = k_post.detach().float().contiguous().numpy()
@@ -601,9 +673,8 @@ class PoolEncoder:
             return False
         kcodes = np.empty((T, x.shape[1]), np.int32)
         vcodes = np.empty((T, H * (d // gv)), np.int32)
-        near = _nearest_serial if small else _nearest
-        near(x, kcbt, kcn, _ARGMIN_CHUNK, kcodes)
-        near(vf.reshape(T, H * (d // gv), gv), vcbt, vcn, _ARGMIN_CHUNK, vcodes)
+        _search(x, kprep, kcodes)
+        _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]

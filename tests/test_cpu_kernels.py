@@ -16,7 +16,11 @@ def _distances(x, codebook):
     return ((x.double().unsqueeze(3) - codebook.double().unsqueeze(0)) ** 2).sum(-1)
 
 
-@pytest.mark.parametrize("T,H,G,K,g", [(1, 1, 1, 2, 2), (37, 3, 5, 33, 4), (200, 3, 8, 1024, 8), (17, 2, 3, 256, 16)])
+# (1, .., 8): one-token path; (5, .., 8): 4-token block + tail; >= 64 with g == 8: the lane
+# kernel (odd K, T not a multiple of its 64-token block); the rest: the generic kernels
+@pytest.mark.parametrize("T,H,G,K,g", [(1, 1, 1, 2, 2), (1, 3, 8, 1024, 8), (5, 2, 2, 100, 8), (37, 3, 5, 33, 4),
+                                       (200, 3, 8, 1024, 8), (130, 2, 3, 257, 8), (64, 1, 1, 1, 8),
+                                       (90, 2, 3, 64, 4), (17, 2, 3, 256, 16)])
 def test_nearest_matches_reference(T, H, G, K, g):
     gen = torch.Generator().manual_seed(T + K)
     cb = torch.randn(H, G, K, g, generator=gen)
@@ -33,12 +37,19 @@ def test_nearest_matches_reference(T, H, G, K, g):
     assert float((d_got - d_min).max()) <= 1e-5 * float(d_min.abs().max() + 1)
 
 
-def test_nearest_first_index_on_exact_ties_and_nonfinite_input():
+@pytest.mark.parametrize("T,g,dup", [(4, 4, (2, 5)), (70, 8, (2, 5)), (70, 8, (6, 7)), (70, 8, (0, 8)), (1, 8, (6, 7))])
+def test_nearest_first_index_on_exact_ties(T, g, dup):
+    """Duplicated codewords: the first one wins, as in torch.argmin (also when the two sit in
+    one codeword pair of the lane kernel, and when the duplicate is the odd last one)."""
+    cb = torch.randn(2, 3, max(8, dup[1] + 1), g)  # K = 9: the duplicate is the odd last codeword
+    cb[:, :, dup[1]] = cb[:, :, dup[0]]
+    x = cb[:, :, dup[0]].unsqueeze(0).repeat(T, 1, 1, 1) + 1e-3
+    assert (cpu.nearest(x, cpu.prepare(cb)) == dup[0]).all()
+
+
+def test_nearest_nonfinite_input_and_empty():
     cb = torch.randn(2, 3, 8, 4)
-    cb[:, :, 5] = cb[:, :, 2]  # duplicated codewords: the first one wins, as in torch.argmin
     x = cb[:, :, 2].unsqueeze(0).repeat(4, 1, 1, 1) + 1e-3
-    got = cpu.nearest(x, cpu.prepare(cb))
-    assert (got == 2).all()
     x[1, 0, 0, 0] = float("nan")
     x[2, 1, 2, 3] = float("inf")
     assert torch.equal(cpu.nearest(x, cpu.prepare(cb)), codec.nearest_codeword(x, cb))

@@ -363,13 +363,16 @@ def _ring_index(win_pos, ring, t, S, sink, recent):
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, bits_v, code_bytes_k,
-                      scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale, out):
-    """One (request, KV head) per parallel item. Keys are decoded in the permuted in-group
-    layout (folded codewords; the query is permuted instead), rotated there at the token's
-    position, dotted with every query head of the GQA group, then scaled; fp32 softmax;
-    values decoded and accumulated per group. Window entries are read from the request's
-    bf16 ring (``rings[b]``, 0 = none) where ``win_pos`` holds the token. fastmath: sums are
-    reassociated (vectorized)."""
+                      scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale,
+                      nsplit, part_m, part_l, part_o, out):
+    """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
+    ``nsplit`` equal ranges, so a batch of one still fills every thread). Keys are decoded in
+    the permuted in-group layout (folded codewords; the query is permuted instead), rotated
+    there at the token's position, dotted with every query head of the GQA group, then
+    scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
+    max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
+    the splits. Window entries are read from the request's bf16 ring (``rings[b]``, 0 =
+    none) where ``win_pos`` holds the token. fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
@@ -377,11 +380,15 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
     hg = gk // 2
     nbk = kbuf.shape[1]
     nbv = vbuf.shape[1]
-    for item in prange(B * H):
-        b = item // H
-        h = item - b * H
+    for item in prange(B * H * nsplit):
+        bh = item // nsplit
+        b = bh // H
+        h = bh - b * H
         beg = indptr[b]
         S = indptr[b + 1] - beg
+        per = (S + nsplit - 1) // nsplit
+        t_lo = min(S, (item - bh * nsplit) * per)
+        t_hi = min(S, t_lo + per)
         ring = rings[b]
         qp = np.empty((rep, d), np.float32)
         for r in range(rep):
@@ -391,10 +398,10 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         for j in range(Gk):
             for l in range(hg):
                 pidx[j * hg + l] = kperm[h, j * gk + l]
-        logits = np.empty((rep, max(S, 1)), np.float32)
+        logits = np.empty((rep, max(t_hi - t_lo, 1)), np.float32)
         kp = np.empty(d, np.float32)
         kr = np.empty(d, np.float32)
-        for t in range(S):
+        for t in range(t_lo, t_hi):
             widx = _ring_index(win_pos, ring, t, S, sink, recent)
             s = np.float32(1.0)
             if widx >= 0:
@@ -424,26 +431,25 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                 acc = np.float32(0.0)
                 for c in range(d):
                     acc += qp[r, c] * kr[c]
-                logits[r, t] = acc * s
+                logits[r, t - t_lo] = acc * s
         for r in range(rep):
             m = np.float32(-np.inf)
-            for t in range(S):
-                m = max(m, logits[r, t])
+            for i in range(t_hi - t_lo):
+                m = max(m, logits[r, i])
             tot = np.float32(0.0)
-            for t in range(S):
-                e = np.float32(math.exp(logits[r, t] - m))
-                logits[r, t] = e
+            for i in range(t_hi - t_lo):
+                e = np.float32(math.exp(logits[r, i] - m))
+                logits[r, i] = e
                 tot += e
-            inv = np.float32(1.0) / tot if S > 0 else np.float32(0.0)
-            for t in range(S):
-                logits[r, t] *= inv
+            part_m[item, r] = m
+            part_l[item, r] = tot
         acc_o = np.zeros((rep, d), np.float32)
         vt = np.empty(d, np.float32)
-        for t in range(S):
+        for t in range(t_lo, t_hi):
             widx = _ring_index(win_pos, ring, t, S, sink, recent)
             if widx >= 0:
                 for r in range(rep):
-                    p = logits[r, t]
+                    p = logits[r, t - t_lo]
                     for c in range(d):
                         acc_o[r, c] += p * _bf16_bits_to_f32(win_v[ring, widx, h, c])
             else:  # decode the value row, then one d-long axpy per query head (vectorizes)
@@ -453,12 +459,41 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                     for l in range(gv):
                         vt[j * gv + l] = vcb[h, j, z, l]
                 for r in range(rep):
-                    p = logits[r, t]
+                    p = logits[r, t - t_lo]
                     for c in range(d):
                         acc_o[r, c] += p * vt[c]
         for r in range(rep):
             for c in range(d):
-                out[b, h * rep + r, c] = acc_o[r, c]
+                part_o[item, r, c] = acc_o[r, c]
+    for bh in prange(B * H):  # merge the splits: rescale each to the common max
+        b = bh // H
+        h = bh - b * H
+        for r in range(rep):
+            mx = np.float32(-np.inf)
+            for sp in range(nsplit):
+                if part_l[bh * nsplit + sp, r] > 0:
+                    mx = max(mx, part_m[bh * nsplit + sp, r])
+            tot = np.float32(0.0)
+            o = np.zeros(d, np.float32)
+            for sp in range(nsplit):
+                it = bh * nsplit + sp
+                if part_l[it, r] > 0:
+                    w = np.float32(math.exp(part_m[it, r] - mx))
+                    tot += w * part_l[it, r]
+                    for c in range(d):
+                        o[c] += w * part_o[it, r, c]
+            inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+            for c in range(d):
+                out[b, h * rep + r, c] = o[c] * inv
+
+
+def splits(batch: int, kv_heads: int, max_len: int, threads: int) -> int:
+    """Token splits per (request, KV head): enough items for ~8 per thread, each split at least
+    128 tokens; 1 when the batch alone fills the threads."""
+    items = batch * kv_heads
+    if items >= 8 * threads:
+        return 1
+    return max(1, min(-(-8 * threads // max(items, 1)), max_len // 128))
 
 
 class DecodeTables:
@@ -486,7 +521,8 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
                      kv_indices: torch.Tensor, tables: DecodeTables, cfg, code_bytes_k: int,
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
                      rings: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
-                     win_v: torch.Tensor | None = None, win_pos: torch.Tensor | None = None) -> torch.Tensor:
+                     win_v: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
+                     nsplit: int | None = None) -> torch.Tensor:
     """Decode attention of one layer over packed codes, all requests in one call.
 
     q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``); k_rows [rows, Bk+Bs]
@@ -494,7 +530,9 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
     slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE
     tables (attention scaling included). Optional windows (the pool's rings): rings [B] ring
     of each request (0 = none), win_k/win_v [R, W, H, d] bfloat16 pre-RoPE, win_pos [R, W]
-    int64 (-1 empty), with ``cfg.sink_window`` / ``cfg.recent_window``. Returns [B, Hq, d] f32.
+    int64 (-1 empty), with ``cfg.sink_window`` / ``cfg.recent_window``. nsplit: token splits
+    per (request, KV head) (None: :func:`splits` for the current thread count). Returns
+    [B, Hq, d] f32.
     """
     B, Hq, d = q.shape
     out = np.empty((B, Hq, d), np.float32)
@@ -509,11 +547,19 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
         wk, wv = _u16(win_k), _u16(win_v)
         wp = win_pos.to(torch.int64).contiguous().numpy()
     if B:
+        indptr = kv_indptr.to(torch.int64).numpy()
+        H = tables.kcb.shape[0]
+        ns = nsplit or splits(B, H, int((indptr[1:] - indptr[:-1]).max()), numba.get_num_threads())
+        rep = Hq // H
+        part_m = np.empty((B * H * ns, rep), np.float32)
+        part_l = np.empty((B * H * ns, rep), np.float32)
+        part_o = np.empty((B * H * ns, rep, d), np.float32)
         _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
-                          kv_indptr.to(torch.int64).numpy(), kv_indices.to(torch.int64).numpy(),
+                          indptr, kv_indices.to(torch.int64).numpy(),
                           tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
                           _SCALE_MODE[cfg.scale], cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
-                          rg, wk, wv, wp, cfg.sink_window, cfg.recent_window, np.float32(sm_scale), out)
+                          rg, wk, wv, wp, cfg.sink_window, cfg.recent_window, np.float32(sm_scale),
+                          ns, part_m, part_l, part_o, out)
     return torch.from_numpy(out)
 
 

@@ -109,6 +109,28 @@ def test_greedy_matches_generate_for_bf16(model):
     assert len(ruler.greedy(model, _Tok(), prompt, baseline("kivi2"), 4, 8, max_new=5)) == 5
 
 
+@pytest.mark.parametrize("sink,recent", [(4, 8), (0, 0)])
+def test_serving_view_is_an_engine_with_exact_prefill(model, sink, recent):
+    """view="serving": the prompt attends exactly (one-chunk prefill), each generated token reads
+    the prompt from codes outside the windows, the same tokens as a serving-style cache fed
+    the prompt in one call."""
+    cb = random_codebooks(2, 2, 16, config=TaSQConfig(codebook_size_k=16, codebook_size_v=16), seed=4)
+    method = TaSQCache(cb).method
+    prompt = "a somewhat longer prompt for the tiny model, to leave the windows"
+    ids = torch.tensor([[ord(c) % V for c in prompt]])
+    cache = QuantizedKVCache(method, sink=sink, recent=recent, fresh_exact=True)
+    want = []
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits[0, -1]
+        for _ in range(8):
+            want.append(int(logits.argmax()))
+            logits = model(torch.tensor([[want[-1]]]), past_key_values=cache).logits[0, 0]
+    got = ruler.greedy(model, _Tok(), prompt, method, sink, recent, max_new=8, view="serving")
+    assert got == _Tok().decode(want)
+    with pytest.raises(ValueError, match="view"):
+        ruler.greedy(model, _Tok(), prompt, method, sink, recent, max_new=1, view="prefill")
+
+
 def test_cached_skips_done_work(tmp_path, model):
     calls = []
     work = lambda: calls.append(1) or {"x": 1}  # noqa: E731

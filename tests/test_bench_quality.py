@@ -181,6 +181,12 @@ def test_report_files(tmp_path):
     assert tg["TaSQ PPL <= 1.10x bf16 with windows"] is True
     assert tg["TaSQ NIAH with windows >= 95% of bf16 at every length"] is True
     assert tg["tasq_no_fisher worse than TaSQ (windows 64+256)"] is True
+    assert "grouping is the largest single contributor (PPL, windows none)" not in tg  # no grouping row
+    abl = {**ppl["wiki"], "tasq_no_grouping": {"none": {"ppl": 10.6}}}
+    got = report.targets(report.summary_rows([*bits, "tasq_no_grouping"], {**bits, "tasq_no_grouping": (1.3, 1.25)},
+                                             {**ppl, "wiki": abl}, nia))
+    top = next(t for t in got if t["target"].startswith("grouping"))
+    assert top["met"] is False and top["value"] == "no_fisher +0.20, no_grouping +0.10"
     pos = {"tasq": {"none": {"bucket": 512, "token_kl_by_pos": [0.1, 0.2], "bucket_nmse": [0.01, 0.02]}}}
     sweep = [{"base": "tasq", "windows": "none", "bits_k": b, "bits_v": b, "ppl": 20 - b, "method": "x", "g": 8,
               "K": 16, "logit_nmse": 0.1} for b in (0.5, 1.0)]

@@ -195,6 +195,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-view", choices=ruler.VIEWS,
                     help="decode (default): the prompt is read through the windows too; serving: exact prefill")
     ap.add_argument("--pos-windows", type=int)
+    ap.add_argument("--pos-methods", help="comma list for the error-by-position bench; empty string = all methods")
     ap.add_argument("--sweep-windows", type=int)
     ap.add_argument("--artifact", action="append", default=[], 
                     help="NAME=DIR: use this artifact (e.g. tasq=artifacts/smollm2)")
@@ -207,7 +208,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
               "artifact_root": a.artifact_root}
     kw.update({k: v for k, v in simple.items() if v is not None})
     for key, val, conv in (("methods", a.methods, str), ("benches", a.benches, str), ("niah_lengths", a.niah_lengths, int),
-                           ("niah_tasks", a.niah_tasks, str), ("niah_methods", a.niah_methods, str)):
+                           ("niah_tasks", a.niah_tasks, str), ("niah_methods", a.niah_methods, str),
+                           ("pos_methods", a.pos_methods, str)):
         if val is not None:
             kw[key] = _tuple(val, conv)
     arts = []

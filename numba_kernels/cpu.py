@@ -367,9 +367,10 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                       nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ``nsplit`` equal ranges, so a batch of one still fills every thread). Keys are decoded in
-    the permuted in-group layout (folded codewords; the query is permuted instead), rotated
-    there at the token's position, dotted with every query head of the GQA group, then
-    scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
+    the permuted in-group layout (folded codewords; the query is permuted instead) as the
+    first and second elements of each RoPE pair, and the rotation at the token's position is
+    folded into the dot with every query head of the GQA group (one flat loop over pairs),
+    then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
     max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
     the splits. Window entries are read from the request's bf16 ring (``rings[b]``, 0 =
     none) where ``win_pos`` holds the token. fastmath: sums are reassociated (vectorized)."""
@@ -390,23 +391,30 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         t_lo = min(S, (item - bh * nsplit) * per)
         t_hi = min(S, t_lo + per)
         ring = rings[b]
-        qp = np.empty((rep, d), np.float32)
-        for r in range(rep):
-            for c in range(d):
-                qp[r, c] = q[b, h * rep + r, kperm[h, c]]
-        pidx = np.empty(d // 2, np.int64)  # native RoPE pair of each permuted pair
+        P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
+        qa = np.empty((rep, P), np.float32)  # the query's first / second element of each permuted pair
+        qb = np.empty((rep, P), np.float32)
+        pidx = np.empty(P, np.int64)  # native RoPE pair of each permuted pair
         for j in range(Gk):
             for l in range(hg):
-                pidx[j * hg + l] = kperm[h, j * gk + l]
+                p = j * hg + l
+                pidx[p] = kperm[h, j * gk + l]
+                for r in range(rep):
+                    qa[r, p] = q[b, h * rep + r, kperm[h, j * gk + l]]
+                    qb[r, p] = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
         logits = np.empty((rep, max(t_hi - t_lo, 1)), np.float32)
-        kp = np.empty(d, np.float32)
-        kr = np.empty(d, np.float32)
+        ka = np.empty(P, np.float32)
+        kb_ = np.empty(P, np.float32)
+        cs = np.empty(P, np.float32)
+        sn_ = np.empty(P, np.float32)
         for t in range(t_lo, t_hi):
             widx = _ring_index(win_pos, ring, t, S, sink, recent)
             s = np.float32(1.0)
             if widx >= 0:
-                for c in range(d):
-                    kp[c] = _bf16_bits_to_f32(win_k[ring, widx, h, kperm[h, c]])
+                for j in range(Gk):
+                    for l in range(hg):
+                        ka[j * hg + l] = _bf16_bits_to_f32(win_k[ring, widx, h, kperm[h, j * gk + l]])
+                        kb_[j * hg + l] = _bf16_bits_to_f32(win_k[ring, widx, h, kperm[h, j * gk + hg + l]])
             else:
                 slot = indices[beg + t]
                 if scale_mode == 1:
@@ -416,21 +424,17 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                     s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
                 for j in range(Gk):
                     z = _code_at(kbuf, slot, h * Gk + j, bits_k, nbk)
-                    for l in range(gk):
-                        kp[j * gk + l] = kcb[h, j, z, l]
-            for j in range(Gk):
-                for l in range(hg):
-                    c = cos_t[t, pidx[j * hg + l]]
-                    sn = sin_t[t, pidx[j * hg + l]]
-                    a = kp[j * gk + l]
-                    bb = kp[j * gk + hg + l]
-                    kr[j * gk + l] = a * c - bb * sn
-                    kr[j * gk + hg + l] = bb * c + a * sn
+                    for l in range(hg):
+                        ka[j * hg + l] = kcb[h, j, z, l]
+                        kb_[j * hg + l] = kcb[h, j, z, hg + l]
+            for p in range(P):
+                cs[p] = cos_t[t, pidx[p]]
+                sn_[p] = sin_t[t, pidx[p]]
             s *= sm_scale
-            for r in range(rep):
+            for r in range(rep):  # q . RoPE_t(k) = sum_p cos (qa ka + qb kb) + sin (qb ka - qa kb): flat, vectorizes
                 acc = np.float32(0.0)
-                for c in range(d):
-                    acc += qp[r, c] * kr[c]
+                for p in range(P):
+                    acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb[r, p] * ka[p] - qa[r, p] * kb_[p])
                 logits[r, t - t_lo] = acc * s
         for r in range(rep):
             m = np.float32(-np.inf)

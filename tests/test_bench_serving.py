@@ -99,7 +99,7 @@ def test_summarize_from_given_numbers():
     assert f == {"status": "failed", "reason": RESULTS["fp8"]["reason"]}
     r = s["tasq_vs_bf16"]
     assert r["pool_tokens_ratio"] == round(18000 / 4369, 2) and r["ttft_c1_ratio"] == 1.5
-    assert r["prefill_overhead_ms"] == 500.0
+    assert r["prefill_overhead_ms"] == 500.0 and r["throughput_ratio"] == {"1": 0.8}
     assert s["workload"]["tokens_per_request"] == 1056 and s["hardware"]["cores"] == 2
     assert "tasq_vs_bf16" not in serving.summarize({"bf16": RESULTS["bf16"]}, WORKLOAD, HW)
 
@@ -114,7 +114,17 @@ def test_markdown_and_files(tmp_path):
     assert "| fp8 | failed: server exited with status 1" in md
     assert "| bf16 | 8 | 10.00 | 330.0 | 9000.0 | 9000.0 | 100.0 | 4 / 4 |" in md
     assert "| tasq | 8 | error: timed out" in md
-    assert "4.12x pool tokens" in md and "1500.0 ms vs 1000.0 ms (1.5x" in md
+    assert "4.12x pool tokens" in md and "1500.0 ms vs 1000.0 ms (1.5x" in md and "output throughput 0.8x at 1" in md
+
+
+def test_merge_best_keeps_the_fastest_round_per_concurrency():
+    r1 = {"status": "ok", "runs": {"1": _run(4.0, 1500.0, 1, 0), "8": {"error": "timed out"}}}
+    r2 = {"status": "ok", "runs": {"1": _run(3.0, 2000.0, 1, 0), "8": _run(9.0, 8000.0, 8, 0)}}
+    m = serving.merge_best(serving.merge_best(None, r1), r2)
+    assert m["runs"]["1"]["mean_ttft_ms"] == 1500.0 and m["runs"]["8"]["output_throughput"] == 9.0
+    assert m["rounds_tok_s"] == {"1": [4.0, 3.0], "8": [None, 9.0]}
+    assert serving.merge_best(m, {"status": "failed"}) is m
+    assert r1["runs"]["8"] == {"error": "timed out"}  # inputs untouched
 
 
 @needs_model

@@ -133,8 +133,10 @@ def main(argv=None) -> int:
         wait_ready(base, proc)
         name = str(model_dir)
         print(f"[demo] chat  > What is the capital of France?\n[demo] chat  < {chat(base, name, 'What is the capital of France?')}")
-        print(f"[demo] needle ({NEEDLE!r} hidden in ~{len(haystack().split())} words) < "
-              f"{chat(base, name, haystack(), max_tokens=16)}")
+        answer = chat(base, name, haystack(), max_tokens=16)
+        code = NEEDLE.rstrip(".").split()[-1]
+        print(f"[demo] needle ({NEEDLE!r} hidden in ~{len(haystack().split())} words) < {answer} "
+              f"({'found' if code in answer else 'missed'})")
         print(capacity(_get(base + "/get_server_info"), manifest))
     finally:
         stop_server(proc)

@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 
+from .methods import ABLATION_METHODS
+
 SETTINGS = ("none", "64+256")
 
 
@@ -70,7 +72,7 @@ def targets(rows: list) -> list:
             a = get(m, s, "ppl_wiki")
             out.append({"target": f"{m} worse than TaSQ (windows {s})", "met": None if None in (a, t) else a >= t,
                         "value": None if None in (a, t) else f"{a:.3f} vs {t:.3f}"})
-    abl = {m: get(m, "none", "ppl_wiki") for m in _ABLATION_ORDER}
+    abl = {m: get(m, "none", "ppl_wiki") for m in ABLATION_METHODS}
     abl = {m: v for m, v in abl.items() if v is not None}
     t = get("tasq", "none", "ppl_wiki")
     if len(abl) >= 2 and "tasq_no_grouping" in abl and t is not None:  # the paper's Tab. 4 claim
@@ -80,9 +82,6 @@ def targets(rows: list) -> list:
                     "value": ", ".join(f"{m[5:]} {v - t:+.2f}" for m, v in sorted(abl.items(), key=lambda kv: -kv[1]))})
     return out
 
-
-_ABLATION_ORDER = ("tasq_no_weighting", "tasq_no_shared_scale", "tasq_no_grouping", "tasq_no_fisher",
-                   "tasq_dense_weighting")
 
 
 def _f(x, fmt="{:.3f}"):

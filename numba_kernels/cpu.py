@@ -352,6 +352,26 @@ def _code_at(buf2d, slot, n, bits, nbytes):
 
 
 @njit(cache=True, inline="always")
+def _codes_of(buf2d, slot, first, n, bits, out):
+    """out[:n] = codes first..first+n-1 of packed row ``slot`` (bits <= 56), each byte read
+    once, in order; never reads past the byte holding the last code's top bit."""
+    pos = first * bits
+    byte = pos >> 3
+    acc = np.int64(buf2d[slot, byte]) >> (pos & 7)
+    nacc = 8 - (pos & 7)
+    byte += 1
+    mask = (np.int64(1) << bits) - 1
+    for j in range(n):
+        while nacc < bits:
+            acc |= np.int64(buf2d[slot, byte]) << nacc
+            byte += 1
+            nacc += 8
+        out[j] = acc & mask
+        acc >>= bits
+        nacc -= bits
+
+
+@njit(cache=True, inline="always")
 def _ring_index(win_pos, ring, t, S, sink, recent):
     """Ring entry holding position t of a request of length S (sink/recent rule), or -1."""
     if ring > 0 and (t < sink or t >= S - recent):
@@ -372,15 +392,14 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
     folded into the dot with every query head of the GQA group (one flat loop over pairs),
     then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
     max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
-    the splits. Window entries are read from the request's bf16 ring (``rings[b]``, 0 =
-    none) where ``win_pos`` holds the token. fastmath: sums are reassociated (vectorized)."""
+    the splits. Each token's codes are unpacked in one pass over its bytes. Window entries are
+    read from the request's bf16 ring (``rings[b]``, 0 = none) where ``win_pos`` holds the
+    token, in native pair order (no permutation to gather). fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
     rep = Hq // H
     hg = gk // 2
-    nbk = kbuf.shape[1]
-    nbv = vbuf.shape[1]
     for item in prange(B * H * nsplit):
         bh = item // nsplit
         b = bh // H
@@ -403,6 +422,13 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                     qa[r, p] = q[b, h * rep + r, kperm[h, j * gk + l]]
                     qb[r, p] = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
         logits = np.empty((rep, max(t_hi - t_lo, 1)), np.float32)
+        na = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
+        nb = np.empty((rep, P), np.float32)
+        for r in range(rep):
+            for p in range(P):
+                na[r, p] = q[b, h * rep + r, p]
+                nb[r, p] = q[b, h * rep + r, P + p]
+        zs = np.empty(max(Gk, Gv), np.int64)
         ka = np.empty(P, np.float32)
         kb_ = np.empty(P, np.float32)
         cs = np.empty(P, np.float32)
@@ -410,11 +436,16 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         for t in range(t_lo, t_hi):
             widx = _ring_index(win_pos, ring, t, S, sink, recent)
             s = np.float32(1.0)
-            if widx >= 0:
-                for j in range(Gk):
-                    for l in range(hg):
-                        ka[j * hg + l] = _bf16_bits_to_f32(win_k[ring, widx, h, kperm[h, j * gk + l]])
-                        kb_[j * hg + l] = _bf16_bits_to_f32(win_k[ring, widx, h, kperm[h, j * gk + hg + l]])
+            if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
+                for p in range(P):
+                    ka[p] = _bf16_bits_to_f32(win_k[ring, widx, h, p])
+                    kb_[p] = _bf16_bits_to_f32(win_k[ring, widx, h, P + p])
+                for r in range(rep):
+                    acc = np.float32(0.0)
+                    for p in range(P):
+                        acc += cos_t[t, p] * (na[r, p] * ka[p] + nb[r, p] * kb_[p]) + sin_t[t, p] * (nb[r, p] * ka[p] - na[r, p] * kb_[p])
+                    logits[r, t - t_lo] = acc * sm_scale
+                continue
             else:
                 slot = indices[beg + t]
                 if scale_mode == 1:
@@ -422,8 +453,9 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                 elif scale_mode == 2:
                     o = code_bytes_k + 2 * h
                     s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
+                _codes_of(kbuf, slot, h * Gk, Gk, bits_k, zs)
                 for j in range(Gk):
-                    z = _code_at(kbuf, slot, h * Gk + j, bits_k, nbk)
+                    z = zs[j]
                     for l in range(hg):
                         ka[j * hg + l] = kcb[h, j, z, l]
                         kb_[j * hg + l] = kcb[h, j, z, hg + l]
@@ -458,8 +490,9 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                         acc_o[r, c] += p * _bf16_bits_to_f32(win_v[ring, widx, h, c])
             else:  # decode the value row, then one d-long axpy per query head (vectorizes)
                 slot = indices[beg + t]
+                _codes_of(vbuf, slot, h * Gv, Gv, bits_v, zs)
                 for j in range(Gv):
-                    z = _code_at(vbuf, slot, h * Gv + j, bits_v, nbv)
+                    z = zs[j]
                     for l in range(gv):
                         vt[j * gv + l] = vcb[h, j, z, l]
                 for r in range(rep):
@@ -521,50 +554,83 @@ def _u16(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+class DecodePlan:
+    """The per-forward arguments of :func:`decode_attention` (request layout, windows, RoPE
+    tables, split-K buffers), converted once and reused by every layer of a decode step.
+
+    kv_indptr [B+1] / kv_indices: request b's tokens (positions 0..S_b-1) sit at slots
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE tables
+    (attention scaling included); rings [B] ring of each request (0 = none) and win_pos [R, W]
+    int64 (-1 empty) when the pool keeps full-precision windows (``win_pos`` is read through
+    a view: writes made after the plan is built are seen). nsplit: token splits per
+    (request, KV head) (None: :func:`splits` for the current thread count).
+    """
+
+    def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cfg, code_bytes_k: int,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                 rings: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
+                 nsplit: int | None = None):
+        self.cfg, self.code_bytes_k = cfg, code_bytes_k
+        self.indptr = kv_indptr.to(torch.int64).contiguous().numpy()
+        self.indices = kv_indices.to(torch.int64).contiguous().numpy()
+        B = self.B = len(self.indptr) - 1
+        Hq, H, d = self.shape = num_q_heads, num_kv_heads, head_dim
+        self.cos = cos.float().contiguous().numpy()
+        self.sin = sin.float().contiguous().numpy()
+        if rings is None:
+            self.rings, self.win_pos = np.zeros(B, np.int64), _NO_RING[1]
+        else:
+            self.rings = rings.to(torch.int64).contiguous().numpy()
+            if win_pos.dtype != torch.int64 or not win_pos.is_contiguous():
+                raise TypeError("win_pos must be a contiguous int64 tensor (it is read through a view)")
+            self.win_pos = win_pos.numpy()
+        max_len = int((self.indptr[1:] - self.indptr[:-1]).max()) if B else 0
+        ns = self.nsplit = nsplit or splits(B, H, max_len, numba.get_num_threads())
+        rep = Hq // H
+        self.part_m = np.empty((B * H * ns, rep), np.float32)
+        self.part_l = np.empty((B * H * ns, rep), np.float32)
+        self.part_o = np.empty((B * H * ns, rep, d), np.float32)
+        self.scale_mode = _SCALE_MODE[cfg.scale]
+
+    def __call__(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, tables: DecodeTables,
+                 sm_scale: float, win_k: torch.Tensor | None = None, win_v: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
+        k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [R, W, H, d]
+        bfloat16 pre-RoPE rings (with the plan's ``rings``). Returns [B, Hq, d] f32."""
+        B, (Hq, H, d) = self.B, self.shape
+        if tuple(q.shape) != (B, Hq, d):
+            raise ValueError(f"decode plan: q has shape {tuple(q.shape)}, planned for {(B, Hq, d)}")
+        out = np.empty((B, Hq, d), np.float32)
+        if not B:
+            return torch.from_numpy(out)
+        if win_k is None:
+            wk = wv = _NO_RING[0]
+        else:
+            if win_k.dtype != torch.bfloat16 or win_v.dtype != torch.bfloat16:
+                raise TypeError(f"window rings must be bfloat16, got {win_k.dtype}/{win_v.dtype}")
+            wk, wv = _u16(win_k), _u16(win_v)
+        cfg = self.cfg
+        _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
+                          self.indptr, self.indices, tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k,
+                          cfg.code_bits_v, self.code_bytes_k, self.scale_mode, self.cos, self.sin,
+                          self.rings, wk, wv, self.win_pos, cfg.sink_window, cfg.recent_window, np.float32(sm_scale),
+                          self.nsplit, self.part_m, self.part_l, self.part_o, out)
+        return torch.from_numpy(out)
+
+
 def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, tables: DecodeTables, cfg, code_bytes_k: int,
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
                      rings: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
                      win_v: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
                      nsplit: int | None = None) -> torch.Tensor:
-    """Decode attention of one layer over packed codes, all requests in one call.
-
-    q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``); k_rows [rows, Bk+Bs]
-    and v_rows [rows, Bv] uint8 pool buffers; request b's tokens (positions 0..S_b-1) sit at
-    slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE
-    tables (attention scaling included). Optional windows (the pool's rings): rings [B] ring
-    of each request (0 = none), win_k/win_v [R, W, H, d] bfloat16 pre-RoPE, win_pos [R, W]
-    int64 (-1 empty), with ``cfg.sink_window`` / ``cfg.recent_window``. nsplit: token splits
-    per (request, KV head) (None: :func:`splits` for the current thread count). Returns
-    [B, Hq, d] f32.
-    """
+    """Decode attention of one layer over packed codes, all requests in one call (a one-layer
+    :class:`DecodePlan`; see it for the arguments). Returns [B, Hq, d] f32."""
     B, Hq, d = q.shape
-    out = np.empty((B, Hq, d), np.float32)
-    if rings is None:
-        rg = np.zeros(B, np.int64)
-        wk = wv = _NO_RING[0]
-        wp = _NO_RING[1]
-    else:
-        if win_k.dtype != torch.bfloat16 or win_v.dtype != torch.bfloat16:
-            raise TypeError(f"window rings must be bfloat16, got {win_k.dtype}/{win_v.dtype}")
-        rg = rings.to(torch.int64).contiguous().numpy()
-        wk, wv = _u16(win_k), _u16(win_v)
-        wp = win_pos.to(torch.int64).contiguous().numpy()
-    if B:
-        indptr = kv_indptr.to(torch.int64).numpy()
-        H = tables.kcb.shape[0]
-        ns = nsplit or splits(B, H, int((indptr[1:] - indptr[:-1]).max()), numba.get_num_threads())
-        rep = Hq // H
-        part_m = np.empty((B * H * ns, rep), np.float32)
-        part_l = np.empty((B * H * ns, rep), np.float32)
-        part_o = np.empty((B * H * ns, rep, d), np.float32)
-        _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
-                          indptr, kv_indices.to(torch.int64).numpy(),
-                          tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
-                          _SCALE_MODE[cfg.scale], cos.float().contiguous().numpy(), sin.float().contiguous().numpy(),
-                          rg, wk, wv, wp, cfg.sink_window, cfg.recent_window, np.float32(sm_scale),
-                          ns, part_m, part_l, part_o, out)
-    return torch.from_numpy(out)
+    plan = DecodePlan(kv_indptr, kv_indices, cfg, code_bytes_k, Hq, tables.kcb.shape[0], d, cos, sin,
+                      rings, win_pos.to(torch.int64).contiguous() if rings is not None else None, nsplit)
+    return plan(q, k_rows, v_rows, tables, sm_scale, win_k if rings is not None else None,
+                win_v if rings is not None else None)
 
 
 # ---- fused pool encode ----------------------------------------------------------------------

@@ -153,19 +153,24 @@ class TaSQAttnBackend(AttentionBackend):
         return _sdpa(q, k, v, layer.scaling)
 
     def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
-        """Decode over the pool with ``numba_kernels.cpu.decode_attention`` -> [B, Hq, d] f32."""
+        """Decode over the pool with the Numba kernel (``numba_kernels.cpu.DecodePlan``, built
+        once per forward and reused by every layer) -> [B, Hq, d] f32."""
         from numba_kernels import cpu
 
         pool, lid = self.pool, layer.layer_id - self.pool.start_layer
         tab = self._decode_tables.get(layer.layer_id)
         if tab is None:
             tab = self._decode_tables[layer.layer_id] = cpu.DecodeTables(self.codebooks, layer.layer_id)
-        cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)
-        rings = md["rings"]
-        wk, wv, wp = (pool.win_k[lid], pool.win_v[lid], pool.win_pos) if rings is not None else (None, None, None)
-        return cpu.decode_attention(q3, pool.k_buffer[lid], pool.v_buffer[lid], md["kv_indptr"], md["kv_indices"],
-                                    tab, pool.tasq_config, pool.code_bytes_k, cos.squeeze(1), sin.squeeze(1),
-                                    layer.scaling, rings, wk, wv, wp)
+        plan = md.get("plan")
+        if plan is None:
+            cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)
+            plan = md["plan"] = cpu.DecodePlan(
+                md["kv_indptr"], md["kv_indices"], pool.tasq_config, pool.code_bytes_k, layer.tp_q_head_num,
+                layer.tp_k_head_num, layer.qk_head_dim, cos.squeeze(1), sin.squeeze(1), md["rings"],
+                pool.win_pos if md["rings"] is not None else None)
+        if md["rings"] is not None:
+            return plan(q3, pool.k_buffer[lid], pool.v_buffer[lid], tab, layer.scaling, pool.win_k[lid], pool.win_v[lid])
+        return plan(q3, pool.k_buffer[lid], pool.v_buffer[lid], tab, layer.scaling)
 
     def _cos_sin(self, n: int, device):
         """cos, sin [n, 1, d/2] of positions 0..n-1 (the pool's cached ``rope.cos_sin`` table)."""

@@ -1,6 +1,7 @@
 """Numba CPU kernels (numba_kernels.cpu) against the plain-torch reference codec, on awkward shapes."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +69,28 @@ def test_pack_unpack_bit_exact(bits, n):
     assert torch.equal(got, ref)
     assert torch.equal(cpu.unpack(got, n, bits), codec.unpack_codes(ref, n, bits))
     assert torch.equal(cpu.unpack(got, n, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 5, 7, 10, 13, 16, 17])
+def test_codes_of_reads_any_run_of_codes(bits):
+    """The decode kernel's one-pass unpack of codes first..first+n-1 (a head's codes) equals
+    the reference unpack for every start and length, on rows of exactly the packed size."""
+    from numba import njit
+
+    @njit
+    def run(buf, first, n, bits, out):
+        for slot in range(buf.shape[0]):
+            cpu._codes_of(buf, slot, first, n, bits, out[slot])
+
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (4, 11), generator=gen)
+    codes[0] = (1 << bits) - 1
+    packed = codec.pack_codes(codes, bits).numpy()
+    for first in range(11):
+        for n in range(1, 12 - first):
+            out = np.zeros((4, 12), np.int64)
+            run(packed, first, n, bits, out)
+            assert (out[:, :n] == codes[:, first:first + n].numpy()).all(), (first, n)
 
 
 def test_pack_refuses_out_of_range_and_bad_rows():

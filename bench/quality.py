@@ -11,7 +11,8 @@ position beyond the calibration length, and a CQ/TaSQ rate sweep. Results go to
 unit of work, skipped when present), ``work/`` (bf16 reference log-probs, not committed),
 ``metrics.json``, ``summary.json``/``summary.md``, PNG plots. The headline copy is
 ``bench/results/quality/summary.json`` (+ ``summary.md``); a quick run does not replace a
-full run's headline.
+full run's headline, and a run without the perplexity bench (a rate sweep or error-by-position
+run alone) leaves it as it is.
 """
 from __future__ import annotations
 
@@ -163,12 +164,20 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     return metrics
 
 
+def replaces_headline(cfg: QualityConfig, prev) -> bool:
+    """Whether a run of ``cfg`` becomes the headline (``summary.json`` rows ``prev`` or None):
+    only runs that measure perplexity (the headline's columns), and a quick run never
+    replaces a full run's headline."""
+    if "perplexity" not in cfg.benches:
+        return False
+    full_before = isinstance(prev, list) and bool(prev) and not prev[0].get("quick", True)
+    return not (cfg.quick and full_before)
+
+
 def _headline(cfg: QualityConfig, run_dir: Path, rows: list, md: str) -> None:
     top = run_dir.parent / "summary.json"
-    if cfg.quick and top.is_file():
-        prev = json.loads(top.read_text())
-        if isinstance(prev, list) and prev and not prev[0].get("quick", True):
-            return
+    if not replaces_headline(cfg, json.loads(top.read_text()) if top.is_file() else None):
+        return
     report.write_json(top, [{**r, "run": run_dir.name, "quick": cfg.quick} for r in rows])
     shutil.copyfile(run_dir / "summary.md", run_dir.parent / "summary.md")
 

@@ -13,6 +13,11 @@ B: every server gets the same ``--mem-fraction-static`` and ``--max-total-tokens
 cell``; the tokens and KV bytes each server got are read back from it (``--kv-budget-mib 0``:
 SGLang's own sizing). Radix cache off everywhere. Writes ``DIR/<server>.json`` (reused unless
 ``--force``), ``DIR/summary.json`` and ``DIR/summary.md``.
+
+Noisy hosts: ``--rounds N`` repeats the servers one after another N times (best round kept);
+``--paired`` instead keeps every server up (``--sleep-on-idle``) and measures them back to back
+within each round, and the summary reports the per-round TaSQ/bf16 throughput ratios and
+their median, the figure that survives a host whose speed drifts over minutes.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None)
            "--disable-cuda-graph", "--disable-radix-cache", "--host", "127.0.0.1", "--port", str(port),
            "--mem-fraction-static", str(a.mem_fraction_static)]
     cmd += ["--max-total-tokens", str(max_tokens)] if max_tokens else []
+    cmd += ["--sleep-on-idle"] if getattr(a, "paired", False) else []
     if name == "bf16":
         return cmd + ["--attention-backend", "torch_native"]
     if name == "fp8":  # SGLang's CPU fp8 KV cache requires the intel_amx backend (and AMX)
@@ -129,7 +135,9 @@ def server_state(info: dict, loads: dict) -> dict:
             **{k: info.get(k) for k in ("kv_cache_dtype", "attention_backend", "dtype")}}
 
 
-def run_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir: Path) -> dict:
+def start_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir: Path):
+    """Launch server ``name`` and wait until it answers -> (process, base URL, state) or
+    (None, None, failure record)."""
     base = f"http://127.0.0.1:{(port := _free_port())}"
     cmd = server_cmd(name, model_dir, port, a, max_tokens)
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -140,22 +148,64 @@ def run_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir: P
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()
     try:
-        try:
-            wait_ready(base, proc, timeout=a.start_timeout)
-        except (RuntimeError, TimeoutError) as e:
-            tail = (log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
-            return {"status": "failed", "reason": f"{e}: {' | '.join(tail)}"[-600:], "cmd": cmd[2:]}
-        res = {"status": "ok", "cmd": cmd[2:], "startup_s": round(time.time() - t0, 1),
-               **server_state(_get(base + "/get_server_info"), _get(base + "/v1/loads")), "runs": {}}
+        wait_ready(base, proc, timeout=a.start_timeout)
+    except (RuntimeError, TimeoutError) as e:
+        stop_server(proc)
+        tail = (log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
+        return None, None, {"status": "failed", "reason": f"{e}: {' | '.join(tail)}"[-600:], "cmd": cmd[2:]}
+    return proc, base, {"status": "ok", "cmd": cmd[2:], "startup_s": round(time.time() - t0, 1),
+                        **server_state(_get(base + "/get_server_info"), _get(base + "/v1/loads")), "runs": {}}
+
+
+def measure(name: str, base: str, model_dir: Path, a, conc: int, log_dir: Path) -> dict:
+    print(f"[serving] {name}: concurrency {conc}", flush=True)
+    try:
+        return bench_once(base, model_dir, a, conc, log_dir / f"{name}_c{conc}.jsonl")
+    except (subprocess.SubprocessError, OSError, ValueError) as e:
+        return {"error": str(e)[-300:]}
+
+
+def run_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir: Path) -> dict:
+    proc, base, res = start_server(name, model_dir, a, max_tokens, log_dir)
+    if proc is None:
+        return res
+    try:
         for conc in a.concurrency:
-            print(f"[serving] {name}: concurrency {conc}", flush=True)
-            try:
-                res["runs"][str(conc)] = bench_once(base, model_dir, a, conc, log_dir / f"{name}_c{conc}.jsonl")
-            except (subprocess.SubprocessError, OSError, ValueError) as e:
-                res["runs"][str(conc)] = {"error": str(e)[-300:]}
+            res["runs"][str(conc)] = measure(name, base, model_dir, a, conc, log_dir)
         return res
     finally:
         stop_server(proc)
+
+
+def run_paired(names: list, model_dir: Path, a, caps: dict, log_dir: Path) -> dict:
+    """All servers up at once (``--sleep-on-idle``: an idle one does not spin), then
+    ``a.rounds`` rounds of back-to-back runs, server order reversed every other round, so
+    that each round's figures of the servers are seconds apart: on a host whose speed drifts
+    over minutes their ratio is far steadier than that of runs minutes apart. -> {name:
+    result as :func:`merge_best` folds it, with ``rounds_tok_s`` in round order}."""
+    procs, results = {}, {}
+    try:
+        for name in names:
+            proc, base, res = start_server(name, model_dir, a, caps[name], log_dir)
+            results[name] = dict(res, rounds_tok_s={})
+            if proc is not None:
+                procs[name] = (proc, base)
+        for rnd in range(a.rounds):
+            print(f"[serving] paired round {rnd + 1}/{a.rounds}", flush=True)
+            order = [n for n in (names if rnd % 2 == 0 else names[::-1]) if n in procs]
+            for conc in a.concurrency:
+                for name in order:
+                    run = measure(name, procs[name][1], model_dir, a, conc, log_dir)
+                    results[name] = merge_best(results[name], {"status": "ok", "runs": {str(conc): run}})
+        return results
+    finally:
+        for proc, _ in procs.values():
+            stop_server(proc)
+
+
+def paired_ratios(num: list, den: list) -> list:
+    """Per-round ratios num[i] / den[i] of two servers' paired rounds (None where either failed)."""
+    return [round(x / y, 3) if x and y else None for x, y in zip(num, den)]
 
 
 def merge_best(prev: dict | None, new: dict) -> dict:
@@ -218,6 +268,14 @@ def summarize(results: dict, workload: dict, hw: dict) -> dict:
                                "ttft_c1_ms": {"bf16": tb, "tasq": tt},
                                "ttft_c1_ratio": round(tt / tb, 2) if tb and tt else None,
                                "prefill_overhead_ms": round(tt - tb, 1) if tb and tt else None}
+        if workload.get("paired"):
+            import statistics
+
+            pr = {c: paired_ratios(t["rounds_tok_s"].get(c, []), b["rounds_tok_s"].get(c, []))
+                  for c in t.get("rounds_tok_s") or {}}
+            out["tasq_vs_bf16"]["paired_ratios"] = pr
+            out["tasq_vs_bf16"]["paired_ratio_median"] = {
+                c: round(statistics.median(v), 2) for c, r in pr.items() if (v := [x for x in r if x])}
     return out
 
 
@@ -233,8 +291,8 @@ def to_markdown(s: dict) -> str:
              f"Workload: `sglang.benchmark.serving` {w['dataset']}, input {w['input_len']} + output "
              f"{w['output_len']} tokens, max({w['num_prompts']}, concurrency) prompts at concurrency {w['concurrency']}; "
              f"KV budget {w['kv_budget_mib']} MiB per server (TaSQ: {w['window_rows']} bf16 window rings "
-             f"included), preset `{w['preset']}`; best of {w.get('rounds', 1)} interleaved round(s) per server "
-             f"and concurrency (by output tok/s).", "",
+             f"included), preset `{w['preset']}`; best of {w.get('rounds', 1)} "
+             f"{'paired' if w.get('paired') else 'interleaved'} round(s) per server and concurrency (by output tok/s).", "",
              "| server | attention, KV dtype | bytes/token | pool tokens | KV GB (server) | requests that fit | "
              "server max_running_requests |", "|---|---|---|---|---|---|---|"]
     for n, v in s["servers"].items():
@@ -257,6 +315,10 @@ def to_markdown(s: dict) -> str:
                   f"{ratios or '-'}; TTFT at concurrency 1 "
                   f"{_f(r['ttft_c1_ms']['tasq'])} ms vs {_f(r['ttft_c1_ms']['bf16'])} ms "
                   f"({r['ttft_c1_ratio']}x, prefill + encode overhead {_f(r['prefill_overhead_ms'])} ms)."]
+        if r.get("paired_ratio_median"):
+            lines += ["", "Paired rounds (servers measured back to back each round): TaSQ/bf16 output throughput, "
+                      "median over rounds " + ", ".join(f"{v}x at {c}" for c, v in r["paired_ratio_median"].items())
+                      + "; per round " + "; ".join(f"{c}: {r['paired_ratios'][c]}" for c in r["paired_ratios"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -286,6 +348,8 @@ def parse_args(argv=None):
     ap.add_argument("--force", action="store_true", help="rerun servers whose results exist")
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved rounds over the servers; each figure is the best round (shared, noisy hosts)")
+    ap.add_argument("--paired", action="store_true",
+                    help="all servers up at once, measured back to back each round; reports per-round TaSQ/bf16 ratios")
     a = ap.parse_args(argv)
     a.preset = "quick" if a.quick else "full"
     for k, v in PRESETS[a.preset].items():
@@ -310,6 +374,13 @@ def main(argv=None) -> int:
             results[name] = json.loads(path.read_text())
         else:
             todo.append(name)
+    caps = {n: budget_tokens(budget, *cells[n]) if budget else None for n in todo}
+    if a.paired and todo:
+        for name, res in run_paired(todo, model_dir, a, caps, a.out / "work").items():
+            cell, fixed = cells[name]
+            results[name] = dict(res, cell_bytes=cell, fixed_bytes=fixed, budget_tokens=caps[name])
+            (a.out / f"{name}.json").write_text(json.dumps(results[name], indent=1) + "\n")
+        todo = []
     for rnd in range(a.rounds):  # servers interleaved, so a slow spell of a shared host hits all of them
         for name in todo:
             cell, fixed = cells[name]
@@ -321,7 +392,7 @@ def main(argv=None) -> int:
             results[name] = merge_best(results.get(name) if rnd else None, res)
             (a.out / f"{name}.json").write_text(json.dumps(results[name], indent=1) + "\n")
     workload = {k: getattr(a, k) for k in ("preset", "input_len", "output_len", "num_prompts", "concurrency",
-                                           "kv_budget_mib", "window_rows", "mem_fraction_static", "rounds")}
+                                           "kv_budget_mib", "window_rows", "mem_fraction_static", "rounds", "paired")}
     workload.update(model=a.model, model_dir=model_dir.name, dataset="random-ids (range ratio 1.0, seed 1)",
                     tasq_config=os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None)
     print(to_markdown(write_summary(results, workload, hardware(), a.out)))

@@ -208,3 +208,15 @@ def test_config_cli_and_folder_name():
     assert Q.parse_args(["--quick", "--ppl-windows", "3"])[0].name() != cfg.name()
     with pytest.raises(ValueError, match="allowed"):
         Q.QualityConfig(methods=("bf16", "nope"))
+
+
+def test_headline_only_from_perplexity_runs():
+    from bench.quality import QualityConfig, replaces_headline
+
+    full = [{"method": "bf16", "quick": False}]
+    assert replaces_headline(QualityConfig(), None)
+    assert replaces_headline(QualityConfig(), full)
+    assert not replaces_headline(QualityConfig(quick=True), full)
+    assert replaces_headline(QualityConfig(quick=True), [{"method": "bf16", "quick": True}])
+    assert not replaces_headline(QualityConfig(benches=("rate_sweep",)), None)
+    assert not replaces_headline(QualityConfig(benches=("positions", "ruler")), full)

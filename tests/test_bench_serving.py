@@ -127,6 +127,24 @@ def test_merge_best_keeps_the_fastest_round_per_concurrency():
     assert r1["runs"]["8"] == {"error": "timed out"}  # inputs untouched
 
 
+def test_paired_rounds_give_per_round_ratios(tmp_path):
+    """--paired: rounds are folded like interleaved ones, and the summary adds the per-round
+    TaSQ/bf16 ratios (a failed round is None, not a zero) and their median."""
+    b, t = dict(RESULTS["bf16"]), dict(RESULTS["tasq"])
+    b["rounds_tok_s"] = {"1": [5.0, 2.0, 6.0], "8": [10.0]}
+    t["rounds_tok_s"] = {"1": [4.0, 1.8, None], "8": [None]}
+    s = serving.summarize({"bf16": b, "tasq": t}, dict(WORKLOAD, paired=True, rounds=3), HW)
+    r = s["tasq_vs_bf16"]
+    assert r["paired_ratios"] == {"1": [0.8, 0.9, None], "8": [None]}
+    assert r["paired_ratio_median"] == {"1": 0.85}
+    md = serving.to_markdown(s)
+    assert "median over rounds 0.85x at 1" in md and "best of 3 paired round(s)" in md
+    assert "paired_ratios" not in serving.summarize({"bf16": b, "tasq": t}, WORKLOAD, HW)["tasq_vs_bf16"]
+    a = serving.parse_args(["--quick", "--paired", "--servers", "bf16", "--out", str(tmp_path)])
+    assert "--sleep-on-idle" in serving.server_cmd("bf16", SMOL, 1234, a, 4369)
+    assert "--sleep-on-idle" not in serving.server_cmd("bf16", SMOL, 1234, serving.parse_args(["--quick"]), 4369)
+
+
 @needs_model
 def test_main_reuses_existing_results(tmp_path, monkeypatch):
     for name in ("bf16", "fp8"):

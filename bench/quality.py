@@ -204,6 +204,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-view", choices=ruler.VIEWS,
                     help="decode (default): the prompt is read through the windows too; serving: exact prefill")
     ap.add_argument("--pos-windows", type=int)
+    ap.add_argument("--pos-len", type=int, help="tokens per error-by-position window (default 8192)")
     ap.add_argument("--pos-methods", help="comma list for the error-by-position bench; empty string = all methods")
     ap.add_argument("--sweep-windows", type=int)
     ap.add_argument("--artifact", action="append", default=[], 
@@ -213,7 +214,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     a = ap.parse_args(argv)
     kw = dict(QUICK) if a.quick else {}
     simple = {"model": a.model, "preset": a.preset, "ppl_windows": a.ppl_windows, "ood_windows": a.ood_windows,
-              "niah_samples": a.niah_samples, "niah_view": a.niah_view, "pos_windows": a.pos_windows, "sweep_windows": a.sweep_windows,
+              "niah_samples": a.niah_samples, "niah_view": a.niah_view, "pos_windows": a.pos_windows, "pos_len": a.pos_len,
+              "sweep_windows": a.sweep_windows,
               "artifact_root": a.artifact_root}
     kw.update({k: v for k, v in simple.items() if v is not None})
     for key, val, conv in (("methods", a.methods, str), ("benches", a.benches, str), ("niah_lengths", a.niah_lengths, int),

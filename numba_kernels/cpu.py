@@ -384,9 +384,11 @@ def _ring_index(win_pos, ring, t, S, sink, recent):
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, bits_v, code_bytes_k,
                       scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale,
-                      nsplit, part_m, part_l, part_o, out):
+                      chunk, nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
-    ``nsplit`` equal ranges, so a batch of one still fills every thread). Keys are decoded in
+    ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
+    request's end is empty), so a batch of one still fills every thread, and a request's
+    answer depends on its own tokens only, not on the batch it runs in (batch invariance). Keys are decoded in
     the permuted in-group layout (folded codewords; the query is permuted instead) as the
     first and second elements of each RoPE pair, and the rotation at the token's position is
     folded into the dot with every query head of the GQA group (one flat loop over pairs),
@@ -406,9 +408,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         h = bh - b * H
         beg = indptr[b]
         S = indptr[b + 1] - beg
-        per = (S + nsplit - 1) // nsplit
-        t_lo = min(S, (item - bh * nsplit) * per)
-        t_hi = min(S, t_lo + per)
+        t_lo = min(S, (item - bh * nsplit) * chunk)
+        t_hi = min(S, t_lo + chunk)
         ring = rings[b]
         P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
         qa = np.empty((rep, P), np.float32)  # the query's first / second element of each permuted pair
@@ -524,13 +525,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
                 out[b, h * rep + r, c] = o[c] * inv
 
 
-def splits(batch: int, kv_heads: int, max_len: int, threads: int) -> int:
-    """Token splits per (request, KV head): enough items for ~8 per thread, each split at least
-    128 tokens; 1 when the batch alone fills the threads."""
-    items = batch * kv_heads
-    if items >= 8 * threads:
-        return 1
-    return max(1, min(-(-8 * threads // max(items, 1)), max_len // 128))
+SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
 
 
 class DecodeTables:
@@ -562,14 +557,15 @@ class DecodePlan:
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE tables
     (attention scaling included); rings [B] ring of each request (0 = none) and win_pos [R, W]
     int64 (-1 empty) when the pool keeps full-precision windows (``win_pos`` is read through
-    a view: writes made after the plan is built are seen). nsplit: token splits per
-    (request, KV head) (None: :func:`splits` for the current thread count).
+    a view: writes made after the plan is built are seen). split_tokens: positions per
+    split-K range (default :data:`SPLIT_TOKENS`); fixed, not chosen from the batch, so every
+    request gets the same floating-point answer alone or in any batch.
     """
 
     def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cfg, code_bytes_k: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                  rings: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
-                 nsplit: int | None = None):
+                 split_tokens: int | None = None):
         self.cfg, self.code_bytes_k = cfg, code_bytes_k
         self.indptr = kv_indptr.to(torch.int64).contiguous().numpy()
         self.indices = kv_indices.to(torch.int64).contiguous().numpy()
@@ -585,7 +581,10 @@ class DecodePlan:
                 raise TypeError("win_pos must be a contiguous int64 tensor (it is read through a view)")
             self.win_pos = win_pos.numpy()
         max_len = int((self.indptr[1:] - self.indptr[:-1]).max()) if B else 0
-        ns = self.nsplit = nsplit or splits(B, H, max_len, numba.get_num_threads())
+        self.chunk = int(split_tokens or SPLIT_TOKENS)
+        if self.chunk < 1:
+            raise ValueError(f"split_tokens must be >= 1, got {split_tokens}")
+        ns = self.nsplit = max(1, -(-max_len // self.chunk))
         rep = Hq // H
         self.part_m = np.empty((B * H * ns, rep), np.float32)
         self.part_l = np.empty((B * H * ns, rep), np.float32)
@@ -614,7 +613,7 @@ class DecodePlan:
                           self.indptr, self.indices, tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k,
                           cfg.code_bits_v, self.code_bytes_k, self.scale_mode, self.cos, self.sin,
                           self.rings, wk, wv, self.win_pos, cfg.sink_window, cfg.recent_window, np.float32(sm_scale),
-                          self.nsplit, self.part_m, self.part_l, self.part_o, out)
+                          self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
         return torch.from_numpy(out)
 
 
@@ -623,12 +622,12 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
                      rings: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
                      win_v: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
-                     nsplit: int | None = None) -> torch.Tensor:
+                     split_tokens: int | None = None) -> torch.Tensor:
     """Decode attention of one layer over packed codes, all requests in one call (a one-layer
     :class:`DecodePlan`; see it for the arguments). Returns [B, Hq, d] f32."""
     B, Hq, d = q.shape
     plan = DecodePlan(kv_indptr, kv_indices, cfg, code_bytes_k, Hq, tables.kcb.shape[0], d, cos, sin,
-                      rings, win_pos.to(torch.int64).contiguous() if rings is not None else None, nsplit)
+                      rings, win_pos.to(torch.int64).contiguous() if rings is not None else None, split_tokens)
     return plan(q, k_rows, v_rows, tables, sm_scale, win_k if rings is not None else None,
                 win_v if rings is not None else None)
 

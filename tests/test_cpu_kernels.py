@@ -174,15 +174,15 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("nsplit", [None, 1, 3, 7])  # None: splits() for this machine's threads
+@pytest.mark.parametrize("split_tokens", [None, 1, 3, 7, 40])  # None: cpu.SPLIT_TOKENS
 @pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
     ("shared", True, 3, 9, 16, [1, 5, 97, 0, 40]),
     ("per_head", False, 2, 2, 8, [3, 64]),
     ("none", True, 1, 4, 32, [70, 2, 33]),
     ("shared", True, 1, 3, 16, [300]),  # one request: split-K is what fills the threads
 ])
-def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, nsplit):
-    """Split-K (some splits empty: lengths 0, 1, 2 < nsplit) merges to the unsplit answer."""
+def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, split_tokens):
+    """Split-K (splits past a short request's end are empty) merges to the unsplit answer."""
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
                      sink_window=4 if windows else 0, recent_window=8 if windows else 0)
     cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 11, windows)
@@ -192,16 +192,32 @@ def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, 
     cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
     rings, wk, wv, wp = win if win is not None else (None, None, None, None)
     got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
-                               sm_scale, rings, wk, wv, wp, nsplit=nsplit)
+                               sm_scale, rings, wk, wv, wp, split_tokens=split_tokens)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
-def test_splits_fill_the_threads():
-    assert cpu.splits(1, 3, 1024, 2) == 6  # 18 items on 2 threads
-    assert cpu.splits(1, 3, 200, 2) == 1  # splits of at least 128 tokens
-    assert cpu.splits(8, 3, 4096, 2) == 1  # the batch alone gives 24 items
-    assert cpu.splits(2, 1, 8192, 16) == 64
-    assert cpu.splits(1, 1, 0, 4) == 1
+def test_decode_attention_is_batch_invariant():
+    """A request's output is bit-identical alone and inside batches of other lengths (split-K
+    ranges are fixed positions, not chosen from the batch)."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=4, recent_window=8)
+    seq_lens = [700, 90, 1, 300]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 3, 9, 16, seq_lens, 5, True)
+    rings, wk, wv, wp = win
+    cos, sin = cos_sin(torch.arange(800), cb.inv_freq, cb.attention_scaling)
+    tab = cpu.DecodeTables(cb, 0)
+    starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
+
+    def run(sel):
+        lens = [seq_lens[i] for i in sel]
+        idx = torch.cat([slots[starts[i]:starts[i + 1]] for i in sel])
+        return cpu.decode_attention(q[sel], k_rows, v_rows, torch.tensor([0] + lens).cumsum(0), idx, tab, cfg, kb,
+                                    cos, sin, 0.25, rings[sel], wk, wv, wp, split_tokens=128)
+
+    full = run([0, 1, 2, 3])
+    for i in range(4):
+        assert torch.equal(run([i])[0], full[i])
+    assert torch.equal(run([3, 0])[1], full[0])
 
 
 def test_decode_attention_refuses_dense_weighting():

@@ -388,8 +388,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
     request's end is empty), so a batch of one still fills every thread, and a request's
-    answer depends on its own tokens only, not on the batch it runs in (batch invariance). Keys are decoded in
-    the permuted in-group layout (folded codewords; the query is permuted instead) as the
+    answer depends on its own tokens only, not on the batch it runs in (batch invariance).
+    Keys are decoded in the permuted in-group layout (folded codewords; the query is permuted instead) as the
     first and second elements of each RoPE pair, and the rotation at the token's position is
     folded into the dot with every query head of the GQA group (one flat loop over pairs),
     then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its

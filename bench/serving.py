@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -269,8 +270,6 @@ def summarize(results: dict, workload: dict, hw: dict) -> dict:
                                "ttft_c1_ratio": round(tt / tb, 2) if tb and tt else None,
                                "prefill_overhead_ms": round(tt - tb, 1) if tb and tt else None}
         if workload.get("paired"):
-            import statistics
-
             pr = {c: paired_ratios(t["rounds_tok_s"].get(c, []), b["rounds_tok_s"].get(c, []))
                   for c in t.get("rounds_tok_s") or {}}
             out["tasq_vs_bf16"]["paired_ratios"] = pr
@@ -384,11 +383,10 @@ def main(argv=None) -> int:
     for rnd in range(a.rounds):  # servers interleaved, so a slow spell of a shared host hits all of them
         for name in todo:
             cell, fixed = cells[name]
-            cap = budget_tokens(budget, cell, fixed) if budget else None
             if a.rounds > 1:
                 print(f"[serving] round {rnd + 1}/{a.rounds}", flush=True)
-            res = run_server(name, model_dir, a, cap, a.out / "work")
-            res.update(cell_bytes=cell, fixed_bytes=fixed, budget_tokens=cap)
+            res = run_server(name, model_dir, a, caps[name], a.out / "work")
+            res.update(cell_bytes=cell, fixed_bytes=fixed, budget_tokens=caps[name])
             results[name] = merge_best(results.get(name) if rnd else None, res)
             (a.out / f"{name}.json").write_text(json.dumps(results[name], indent=1) + "\n")
     workload = {k: getattr(a, k) for k in ("preset", "input_len", "output_len", "num_prompts", "concurrency",

@@ -340,18 +340,6 @@ def _f32_to_bf16_bits(x):
 
 
 @njit(cache=True, inline="always")
-def _code_at(buf2d, slot, n, bits, nbytes):
-    """Code n of packed row ``slot``: one 24-bit little-endian read (bits <= 17), branch-free.
-    Reads past the row's last byte are clamped to it; those bits lie above the code and are masked."""
-    start = n * bits
-    byte = start >> 3
-    b2 = min(byte + 2, nbytes - 1)
-    b1 = min(byte + 1, nbytes - 1)
-    word = np.int64(buf2d[slot, byte]) | (np.int64(buf2d[slot, b1]) << 8) | (np.int64(buf2d[slot, b2]) << 16)
-    return (word >> (start & 7)) & ((np.int64(1) << bits) - 1)
-
-
-@njit(cache=True, inline="always")
 def _codes_of(buf2d, slot, first, n, bits, out):
     """out[:n] = codes first..first+n-1 of packed row ``slot`` (bits <= 56), each byte read
     once, in order; never reads past the byte holding the last code's top bit."""

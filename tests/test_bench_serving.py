@@ -142,7 +142,7 @@ def test_paired_rounds_give_per_round_ratios(tmp_path):
     assert "paired_ratios" not in serving.summarize({"bf16": b, "tasq": t}, WORKLOAD, HW)["tasq_vs_bf16"]
     a = serving.parse_args(["--quick", "--paired", "--servers", "bf16", "--out", str(tmp_path)])
     assert "--sleep-on-idle" in serving.server_cmd("bf16", SMOL, 1234, a, 4369)
-    assert "--sleep-on-idle" not in serving.server_cmd("bf16", SMOL, 1234, serving.parse_args(["--quick"]), 4369)
+    assert "--sleep-on-idle" not in serving.server_cmd("bf16", SMOL, 1234, serving.parse_args(["--quick", "--servers", "bf16"]), 4369)
 
 
 @needs_model

@@ -717,6 +717,40 @@ _write_rows = njit(parallel=True, cache=True, nogil=True)(_write_rows_py)
 _write_rows_serial = njit(cache=True, nogil=True)(_write_rows_py)
 
 
+@njit(cache=True, nogil=True)
+def _encode_serial(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, kcn, vcbt, vcn, chunk,
+                   bits_k, bits_v, code_bytes_k, hs, loc, kbuf, vbuf, wring, widx, win_k, win_v):
+    """A decode step's few tokens in one call (no thread launch, one dispatch instead of five):
+    :func:`_tailor_keys_serial`, the finiteness check, :func:`_nearest_serial` for keys and
+    values, :func:`_write_rows_serial`; the same kernels and float ops as the batched path, so
+    the same codes. Returns False, having written nothing, on a non-finite tailored key or value."""
+    T, H, d = k.shape
+    kpre = np.empty((T, H, d), np.float32)
+    x = np.empty((T, H * (d // gk), gk), np.float32)
+    sbits = np.zeros((T, hs), np.uint16)
+    _tailor_keys_serial(k, pos, cos_t, sin_t, w, kperm, scale_mode, gk, kpre, x, sbits)
+    for e in x.ravel():
+        if not np.isfinite(e):
+            return False
+    for e in v.ravel():
+        if not np.isfinite(e):
+            return False
+    kcodes = np.empty((T, x.shape[1]), np.int32)
+    vcodes = np.empty((T, H * (d // gv)), np.int32)
+    _nearest_serial(x, kcbt, kcn, chunk, kcodes)
+    _nearest_serial(v.reshape(T, H * (d // gv), gv), vcbt, vcn, chunk, vcodes)
+    _write_rows_serial(kcodes, sbits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf, kpre, v,
+                       wring, widx, win_k, win_v)
+    return True
+
+
+def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """``t`` as a contiguous numpy array of ``dtype`` (no copy when it already is one)."""
+    if t.dtype != dtype or not t.is_contiguous():
+        t = t.detach().to(dtype).contiguous()
+    return t.numpy()
+
+
 class PoolEncoder:
     """Encode one layer's new tokens straight into a TaSQ pool (keys un-rotated, tailored,
     coded, packed; values coded, packed; window tokens copied to bf16 rings).
@@ -762,29 +796,31 @@ class PoolEncoder:
                 raise ValueError("PoolEncoder writes in place: pool buffers must be contiguous")
         w, kperm, kprep, vprep = self._layer(layer)
         gk, gv = cfg.group_size_k, cfg.group_size_v
-        small = T < _SERIAL_BELOW
-        kf = k_post.detach().float().contiguous().numpy()
-        vf = v.detach().float().contiguous().numpy()
+        kf, vf = _np(k_post, torch.float32), _np(v, torch.float32)
+        pos, locn = _np(positions, torch.int64), _np(loc, torch.int64)
+        cosn, sinn = _np(cos, torch.float32), _np(sin, torch.float32)
+        Hs = {"shared": 1, "per_head": H, "none": 0}[cfg.scale]
+        if wring is None:
+            wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
+            wk = wv = _NO_RING[0]
+        else:
+            wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
+            wk, wv = _u16(win_k), _u16(win_v)
+        if T < _SERIAL_BELOW:  # a decode step: one serial call
+            return _encode_serial(kf, vf, pos, cosn, sinn, w, kperm, _SCALE_MODE[cfg.scale], gk, gv,
+                                  kprep[0], kprep[1], vprep[0], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,
+                                  cfg.code_bits_v, code_bytes_k, Hs, locn, k_rows.numpy(), v_rows.numpy(),
+                                  wr, wi, wk, wv)
         kpre = np.empty((T, H, d), np.float32)
         x = np.empty((T, H * (d // gk), gk), np.float32)
-        Hs = {"shared": 1, "per_head": H, "none": 0}[cfg.scale]
         sbits = np.zeros((T, Hs), np.uint16)
-        (_tailor_keys_serial if small else _tailor_keys)(
-            kf, positions.to(torch.int64).contiguous().numpy(), cos.float().contiguous().numpy(),
-            sin.float().contiguous().numpy(), w, kperm, _SCALE_MODE[cfg.scale], gk, kpre, x, sbits)
+        _tailor_keys(kf, pos, cosn, sinn, w, kperm, _SCALE_MODE[cfg.scale], gk, kpre, x, sbits)
         if not (np.isfinite(x).all() and np.isfinite(vf).all()):
             return False
         kcodes = np.empty((T, x.shape[1]), np.int32)
         vcodes = np.empty((T, H * (d // gv)), np.int32)
         _search(x, kprep, kcodes)
         _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
-        if wring is None:
-            wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
-            wk = wv = _NO_RING[0]
-        else:
-            wr, wi = wring.to(torch.int64).contiguous().numpy(), widx.to(torch.int64).contiguous().numpy()
-            wk, wv = _u16(win_k), _u16(win_v)
-        (_write_rows_serial if small else _write_rows)(
-            kcodes, sbits, vcodes, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
-            loc.to(torch.int64).contiguous().numpy(), k_rows.numpy(), v_rows.numpy(), kpre, vf, wr, wi, wk, wv)
+        _write_rows(kcodes, sbits, vcodes, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
+                    locn, k_rows.numpy(), v_rows.numpy(), kpre, vf, wr, wi, wk, wv)
         return True

@@ -324,3 +324,46 @@ def test_pool_encoder_writes_what_the_reference_path_writes():
                                req_rows=req_rows[one], seq_lens=seq_lens[one])
     assert torch.equal(pool_n.win_pos, pool_t.win_pos)
     assert torch.equal(pool_n.k_buffer[0][loc[:3]], pool_t.k_buffer[0][loc[:3]])
+
+
+def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
+    """A decode step's few tokens go through one serial call (``_encode_serial``): the same
+    rows and rings as the batched kernels (forced by running the same tokens padded past
+    the serial threshold), and a non-finite key or value writes nothing and returns False."""
+    import types
+
+    from numba_kernels import cpu
+    from test_serve_cuda import _setup
+
+    (pool_a, pool_b), _ = _setup("2")
+    for pool in (pool_a, pool_b):
+        pool.ring_of[:3] = torch.tensor([1, 2, 0])
+    gen = torch.Generator().manual_seed(4)
+    T, pad = 5, cpu._SERIAL_BELOW
+    positions = torch.tensor([7, 300, 301, 2, 1019])
+    wr = torch.tensor([1, 2, 2, 0, 1])
+    wi = pool_a.window_index(positions)
+    loc = torch.tensor([3, 9, 4, 60, 22])
+    k = (torch.randn(T + pad, 2, 16, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(T + pad, 2, 16, generator=gen).to(torch.bfloat16)
+    cos, sin = pool_a.rope_table(2048)
+    args = lambda pool, n: (k[:n], v[:n], torch.cat([positions, torch.zeros(n - T, dtype=torch.int64)]), cos, sin,
+                            torch.cat([loc, torch.full((n - T,), 90)]), pool.k_buffer[1], pool.v_buffer[1],
+                            pool.code_bytes_k, torch.cat([wr, torch.zeros(n - T, dtype=torch.int64)]),
+                            torch.cat([wi, torch.zeros(n - T, dtype=torch.int64)]), pool.win_k[1], pool.win_v[1])
+    assert pool_a._encoder.encode_into(1, *args(pool_a, T))  # serial: T < threshold
+    assert pool_b._encoder.encode_into(1, *args(pool_b, T + pad))  # batched kernels
+    assert torch.equal(pool_a.k_buffer[1][loc], pool_b.k_buffer[1][loc])
+    assert torch.equal(pool_a.v_buffer[1][loc], pool_b.v_buffer[1][loc])
+    assert torch.equal(pool_a.win_k[1][1:], pool_b.win_k[1][1:]) and torch.equal(pool_a.win_v[1][1:], pool_b.win_v[1][1:])
+    assert bool((pool_a.k_buffer[1][loc] != 0).any())
+    before = [t.clone() for t in (pool_a.k_buffer[1], pool_a.v_buffer[1], pool_a.win_k[1])]
+    for bad in ("k", "v"):
+        kk, vv = k[:T].clone(), v[:T].clone()
+        (kk if bad == "k" else vv)[2, 1, 5] = float("nan")
+        a = list(args(pool_a, T))
+        a[0], a[1] = kk, vv
+        assert pool_a._encoder.encode_into(1, *a) is False
+        assert all(torch.equal(x, y) for x, y in zip(before, (pool_a.k_buffer[1], pool_a.v_buffer[1], pool_a.win_k[1])))
+    pool_a.set_kv_buffer(types.SimpleNamespace(layer_id=1), loc[:1], kk[:1], vv[:1], positions=positions[:1],
+                         req_rows=torch.tensor([0]), seq_lens=torch.tensor([8]))  # falls back, no error

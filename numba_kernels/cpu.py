@@ -717,13 +717,35 @@ _write_rows = njit(parallel=True, cache=True, nogil=True)(_write_rows_py)
 _write_rows_serial = njit(cache=True, nogil=True)(_write_rows_py)
 
 
-@njit(cache=True, nogil=True)
-def _encode_serial(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, kcn, vcbt, vcn, chunk,
-                   bits_k, bits_v, code_bytes_k, hs, loc, kbuf, vbuf, wring, widx, win_k, win_v):
-    """A decode step's few tokens in one call (no thread launch, one dispatch instead of five):
-    :func:`_tailor_keys_serial`, the finiteness check, :func:`_nearest_serial` for keys and
-    values, :func:`_write_rows_serial`; the same kernels and float ops as the batched path, so
-    the same codes. Returns False, having written nothing, on a non-finite tailored key or value."""
+@njit(cache=True, inline="always", fastmath=True)
+def _nearest_row(x, t, n, cbt, cn, chunk, dist, lanes, lidx):
+    """Nearest codeword of the one row x[t, n] (the codeword-vector loop of :func:`_nearest_py`)."""
+    g, K = x.shape[2], cbt.shape[2]
+    if g == 8:
+        a0, a1, a2, a3, a4, a5, a6, a7 = x[t, n, 0], x[t, n, 1], x[t, n, 2], x[t, n, 3], x[t, n, 4], x[t, n, 5], x[t, n, 6], x[t, n, 7]
+        for k in range(K):
+            dist[k] = cn[n, k] - np.float32(2.0) * (a0 * cbt[n, 0, k] + a1 * cbt[n, 1, k] + a2 * cbt[n, 2, k] + a3 * cbt[n, 3, k] + a4 * cbt[n, 4, k] + a5 * cbt[n, 5, k] + a6 * cbt[n, 6, k] + a7 * cbt[n, 7, k])
+    else:
+        for k in range(K):
+            dist[k] = np.float32(0.0)
+        for j in range(g):
+            xj = x[t, n, j]
+            for k in range(K):
+                dist[k] += xj * cbt[n, j, k]
+        for k in range(K):
+            dist[k] = cn[n, k] - np.float32(2.0) * dist[k]
+    return _first_min(dist, lanes, lidx, K, chunk)
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"})
+def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, kcn, vcbt, vcn, chunk,
+                  bits_k, bits_v, code_bytes_k, hs, loc, kbuf, vbuf, wring, widx, win_k, win_v):
+    """A decode step's few tokens in one call (one dispatch instead of five): the serial
+    :func:`_tailor_keys_serial`, the finiteness check, the nearest codeword of every (token,
+    key group) and (token, value group) row spread over the threads, the serial
+    :func:`_write_rows_serial`. Returns False, having written nothing, on a non-finite
+    tailored key or value (the caller then takes the reference path). fastmath without the
+    no-NaN/no-inf flags, which would fold the finiteness check away."""
     T, H, d = k.shape
     kpre = np.empty((T, H, d), np.float32)
     x = np.empty((T, H * (d // gk), gk), np.float32)
@@ -735,13 +757,28 @@ def _encode_serial(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, 
     for e in v.ravel():
         if not np.isfinite(e):
             return False
-    kcodes = np.empty((T, x.shape[1]), np.int32)
-    vcodes = np.empty((T, H * (d // gv)), np.int32)
-    _nearest_serial(x, kcbt, kcn, chunk, kcodes)
-    _nearest_serial(v.reshape(T, H * (d // gv), gv), vcbt, vcn, chunk, vcodes)
+    Nk, Nv = x.shape[1], H * (d // gv)
+    vx = v.reshape(T, Nv, gv)
+    kcodes = np.empty((T, Nk), np.int32)
+    vcodes = np.empty((T, Nv), np.int32)
+    Kmax = max(kcbt.shape[2], vcbt.shape[2])
+    for item in prange(T * (Nk + Nv)):
+        t = item // (Nk + Nv)
+        n = item - t * (Nk + Nv)
+        dist = np.empty(Kmax, np.float32)
+        lanes = np.empty(chunk, np.float32)
+        lidx = np.empty(chunk, np.int32)
+        if n < Nk:
+            kcodes[t, n] = _nearest_row(x, t, n, kcbt, kcn, chunk, dist, lanes, lidx)
+        else:
+            vcodes[t, n - Nk] = _nearest_row(vx, t, n - Nk, vcbt, vcn, chunk, dist, lanes, lidx)
     _write_rows_serial(kcodes, sbits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf, kpre, v,
                        wring, widx, win_k, win_v)
     return True
+
+
+def _as_f32(t: torch.Tensor) -> np.ndarray:
+    return _np(t, torch.float32)
 
 
 def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
@@ -765,6 +802,19 @@ class PoolEncoder:
             raise NotImplementedError("the CPU pool encoder serves diagonal (or no) key weighting; "
                                       "the dense-weighting ablation uses the reference path")
         self.cb, self.cfg, self.layers = cb, cb.config, {}
+        self._views = {}  # id(tensor) -> (tensor, numpy view): pool buffers, rings, RoPE tables
+
+    def _view(self, t: torch.Tensor, make) -> np.ndarray:
+        """``make(t)``, a numpy view of a long-lived tensor, made once (the tensor is held, so
+        its id stays its own); a decode step calls this for every layer."""
+        hit = self._views.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        if len(self._views) > 256:
+            self._views.clear()
+        arr = make(t)
+        self._views[id(t)] = (t, arr)
+        return arr
 
     def _layer(self, layer: int):
         tab = self.layers.get(layer)
@@ -798,19 +848,19 @@ class PoolEncoder:
         gk, gv = cfg.group_size_k, cfg.group_size_v
         kf, vf = _np(k_post, torch.float32), _np(v, torch.float32)
         pos, locn = _np(positions, torch.int64), _np(loc, torch.int64)
-        cosn, sinn = _np(cos, torch.float32), _np(sin, torch.float32)
+        cosn, sinn = self._view(cos, _as_f32), self._view(sin, _as_f32)
+        kb, vb = self._view(k_rows, torch.Tensor.numpy), self._view(v_rows, torch.Tensor.numpy)
         Hs = {"shared": 1, "per_head": H, "none": 0}[cfg.scale]
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]
         else:
             wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
-            wk, wv = _u16(win_k), _u16(win_v)
-        if T < _SERIAL_BELOW:  # a decode step: one serial call
-            return _encode_serial(kf, vf, pos, cosn, sinn, w, kperm, _SCALE_MODE[cfg.scale], gk, gv,
+            wk, wv = self._view(win_k, _u16), self._view(win_v, _u16)
+        if T < _SERIAL_BELOW:  # a decode step: one call
+            return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, _SCALE_MODE[cfg.scale], gk, gv,
                                   kprep[0], kprep[1], vprep[0], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,
-                                  cfg.code_bits_v, code_bytes_k, Hs, locn, k_rows.numpy(), v_rows.numpy(),
-                                  wr, wi, wk, wv)
+                                  cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv)
         kpre = np.empty((T, H, d), np.float32)
         x = np.empty((T, H * (d // gk), gk), np.float32)
         sbits = np.zeros((T, Hs), np.uint16)
@@ -822,5 +872,5 @@ class PoolEncoder:
         _search(x, kprep, kcodes)
         _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
         _write_rows(kcodes, sbits, vcodes, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
-                    locn, k_rows.numpy(), v_rows.numpy(), kpre, vf, wr, wi, wk, wv)
+                    locn, kb, vb, kpre, vf, wr, wi, wk, wv)
         return True

@@ -327,7 +327,7 @@ def test_pool_encoder_writes_what_the_reference_path_writes():
 
 
 def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
-    """A decode step's few tokens go through one serial call (``_encode_serial``): the same
+    """A decode step's few tokens go through one call (``_encode_small``): the same
     rows and rings as the batched kernels (forced by running the same tokens padded past
     the serial threshold), and a non-finite key or value writes nothing and returns False."""
     import types

@@ -370,14 +370,16 @@ def _ring_index(win_pos, ring, t, S, sink, recent):
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
-def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, bits_v, code_bytes_k,
+def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
                       scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale,
                       chunk, nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
     request's end is empty), so a batch of one still fills every thread, and a request's
     answer depends on its own tokens only, not on the batch it runs in (batch invariance).
-    Keys are decoded in the permuted in-group layout (folded codewords; the query is permuted instead) as the
+    Keys are decoded in the permuted in-group layout from the tailored codebook ``kcb`` (the
+    encoder's own array, so a decode step reads each codebook once; ``kw`` [H, d] the weight of
+    each permuted element, divided out through the query) as the
     first and second elements of each RoPE pair, and the rotation at the token's position is
     folded into the dot with every query head of the GQA group (one flat loop over pairs),
     then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
@@ -400,16 +402,27 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
         t_hi = min(S, t_lo + chunk)
         ring = rings[b]
         P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
-        qa = np.empty((rep, P), np.float32)  # the query's first / second element of each permuted pair
+        # the query's first / second element of each permuted pair, over the codeword weight of
+        # the first (qa, qb2) or second (qb, qa2) element: codewords are read in the tailored
+        # space (key element = codeword / weight, the division folded into the query)
+        qa = np.empty((rep, P), np.float32)
         qb = np.empty((rep, P), np.float32)
+        qa2 = np.empty((rep, P), np.float32)
+        qb2 = np.empty((rep, P), np.float32)
         pidx = np.empty(P, np.int64)  # native RoPE pair of each permuted pair
         for j in range(Gk):
             for l in range(hg):
                 p = j * hg + l
                 pidx[p] = kperm[h, j * gk + l]
+                wa = kw[h, j * gk + l]
+                wb = kw[h, j * gk + hg + l]
                 for r in range(rep):
-                    qa[r, p] = q[b, h * rep + r, kperm[h, j * gk + l]]
-                    qb[r, p] = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
+                    xa = q[b, h * rep + r, kperm[h, j * gk + l]]
+                    xb = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
+                    qa[r, p] = xa / wa
+                    qb[r, p] = xb / wb
+                    qa2[r, p] = xa / wb
+                    qb2[r, p] = xb / wa
         logits = np.empty((rep, max(t_hi - t_lo, 1)), np.float32)
         na = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
         nb = np.empty((rep, P), np.float32)
@@ -455,7 +468,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, vcb, bits_k, b
             for r in range(rep):  # q . RoPE_t(k) = sum_p cos (qa ka + qb kb) + sin (qb ka - qa kb): flat, vectorizes
                 acc = np.float32(0.0)
                 for p in range(P):
-                    acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb[r, p] * ka[p] - qa[r, p] * kb_[p])
+                    acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb2[r, p] * ka[p] - qa2[r, p] * kb_[p])
                 logits[r, t - t_lo] = acc * s
         for r in range(rep):
             m = np.float32(-np.inf)
@@ -517,15 +530,34 @@ SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
 
 
 class DecodeTables:
-    """One layer's codebooks as the decode kernel reads them (float32 numpy)."""
+    """One layer's codebooks as the decode kernel reads them (float32 numpy): the tailored key
+    codebook (codewords times the diagonal weights, :meth:`Codebooks.tailored_k_codebook`)
+    with the weights in the permuted layout, and the value codebook.
 
-    def __init__(self, cb, layer: int):
+    ``prepared``: the :class:`PoolEncoder`'s ``(keys, values)`` :func:`prepare` output of this
+    layer; the tables then are views of the encoder's codeword rows, so a decode step's encode
+    and attention read one copy of each codebook (on a CPU the codebooks of 30 layers do not
+    stay in cache, and the decode kernel is bound by those reads). Zero weights (never from
+    calibration) fall back to the raw key codebook with unit weights."""
+
+    def __init__(self, cb, layer: int, prepared=None):
         if cb.k_unmix is not None:
             raise NotImplementedError("the CPU decode kernel serves diagonal (or no) key weighting; "
                                       "the dense-weighting ablation uses the reference path")
-        self.kcb = cb.k_codebook[layer].detach().float().contiguous().numpy()
+        H, G, K, g = cb.k_codebook[layer].shape
         self.kperm = cb.k_perm[layer].detach().to(torch.int64).contiguous().numpy()
-        self.vcb = cb.v_codebook[layer].detach().float().contiguous().numpy()
+        w = torch.gather(cb.k_weight[layer].detach().float(), 1, cb.k_perm[layer].detach().to(torch.int64))
+        if bool((w != 0).all()):
+            if prepared is None:
+                prepared = (prepare(cb.tailored_k_codebook(layer)), prepare(cb.v_codebook[layer]))
+            self.kcb = prepared[0][2].reshape(H, G, K, g)
+            self.kw = w.contiguous().numpy()
+        else:
+            self.kcb = cb.k_codebook[layer].detach().float().contiguous().numpy()
+            self.kw = np.ones((H, G * g), np.float32)
+        v = cb.v_codebook[layer]
+        self.vcb = (prepared[1][2].reshape(tuple(v.shape)) if prepared is not None
+                    else v.detach().float().contiguous().numpy())
 
 
 _SCALE_MODE = {"none": 0, "shared": 1, "per_head": 2}
@@ -598,7 +630,7 @@ class DecodePlan:
             wk, wv = _u16(win_k), _u16(win_v)
         cfg = self.cfg
         _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
-                          self.indptr, self.indices, tables.kcb, tables.kperm, tables.vcb, cfg.code_bits_k,
+                          self.indptr, self.indices, tables.kcb, tables.kperm, tables.kw, tables.vcb, cfg.code_bits_k,
                           cfg.code_bits_v, self.code_bytes_k, self.scale_mode, self.cos, self.sin,
                           self.rings, wk, wv, self.win_pos, cfg.sink_window, cfg.recent_window, np.float32(sm_scale),
                           self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
@@ -718,27 +750,25 @@ _write_rows_serial = njit(cache=True, nogil=True)(_write_rows_py)
 
 
 @njit(cache=True, inline="always", fastmath=True)
-def _nearest_row(x, t, n, cbt, cn, chunk, dist, lanes, lidx):
-    """Nearest codeword of the one row x[t, n] (the codeword-vector loop of :func:`_nearest_py`)."""
-    g, K = x.shape[2], cbt.shape[2]
+def _nearest_row(x, t, n, cbr, cn, chunk, dist, lanes, lidx):
+    """Nearest codeword of the one row x[t, n] over codeword rows cbr [N, K, g] (the layout the
+    decode kernel reads: a decode step's encode warms the cache for its attention)."""
+    g, K = x.shape[2], cbr.shape[1]
     if g == 8:
         a0, a1, a2, a3, a4, a5, a6, a7 = x[t, n, 0], x[t, n, 1], x[t, n, 2], x[t, n, 3], x[t, n, 4], x[t, n, 5], x[t, n, 6], x[t, n, 7]
         for k in range(K):
-            dist[k] = cn[n, k] - np.float32(2.0) * (a0 * cbt[n, 0, k] + a1 * cbt[n, 1, k] + a2 * cbt[n, 2, k] + a3 * cbt[n, 3, k] + a4 * cbt[n, 4, k] + a5 * cbt[n, 5, k] + a6 * cbt[n, 6, k] + a7 * cbt[n, 7, k])
+            dist[k] = cn[n, k] - np.float32(2.0) * (a0 * cbr[n, k, 0] + a1 * cbr[n, k, 1] + a2 * cbr[n, k, 2] + a3 * cbr[n, k, 3] + a4 * cbr[n, k, 4] + a5 * cbr[n, k, 5] + a6 * cbr[n, k, 6] + a7 * cbr[n, k, 7])
     else:
         for k in range(K):
-            dist[k] = np.float32(0.0)
-        for j in range(g):
-            xj = x[t, n, j]
-            for k in range(K):
-                dist[k] += xj * cbt[n, j, k]
-        for k in range(K):
-            dist[k] = cn[n, k] - np.float32(2.0) * dist[k]
+            acc = np.float32(0.0)
+            for j in range(g):
+                acc += x[t, n, j] * cbr[n, k, j]
+            dist[k] = cn[n, k] - np.float32(2.0) * acc
     return _first_min(dist, lanes, lidx, K, chunk)
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"})
-def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, kcn, vcbt, vcn, chunk,
+def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbr, kcn, vcbr, vcn, chunk,
                   bits_k, bits_v, code_bytes_k, hs, loc, kbuf, vbuf, wring, widx, win_k, win_v):
     """A decode step's few tokens in one call (one dispatch instead of five): the serial
     :func:`_tailor_keys_serial`, the finiteness check, the nearest codeword of every (token,
@@ -761,7 +791,7 @@ def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, k
     vx = v.reshape(T, Nv, gv)
     kcodes = np.empty((T, Nk), np.int32)
     vcodes = np.empty((T, Nv), np.int32)
-    Kmax = max(kcbt.shape[2], vcbt.shape[2])
+    Kmax = max(kcbr.shape[1], vcbr.shape[1])
     for item in prange(T * (Nk + Nv)):
         t = item // (Nk + Nv)
         n = item - t * (Nk + Nv)
@@ -769,9 +799,9 @@ def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbt, k
         lanes = np.empty(chunk, np.float32)
         lidx = np.empty(chunk, np.int32)
         if n < Nk:
-            kcodes[t, n] = _nearest_row(x, t, n, kcbt, kcn, chunk, dist, lanes, lidx)
+            kcodes[t, n] = _nearest_row(x, t, n, kcbr, kcn, chunk, dist, lanes, lidx)
         else:
-            vcodes[t, n - Nk] = _nearest_row(vx, t, n - Nk, vcbt, vcn, chunk, dist, lanes, lidx)
+            vcodes[t, n - Nk] = _nearest_row(vx, t, n - Nk, vcbr, vcn, chunk, dist, lanes, lidx)
     _write_rows_serial(kcodes, sbits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf, kpre, v,
                        wring, widx, win_k, win_v)
     return True
@@ -826,6 +856,11 @@ class PoolEncoder:
                 prepare(cb.tailored_k_codebook(layer)), prepare(cb.v_codebook[layer]))
         return tab
 
+    def prepared(self, layer: int):
+        """(keys, values) :func:`prepare` output of ``layer`` (for :class:`DecodeTables`)."""
+        _, _, kprep, vprep = self._layer(layer)
+        return kprep, vprep
+
     def encode_into(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor, k_rows: torch.Tensor,
                     v_rows: torch.Tensor, code_bytes_k: int, wring: torch.Tensor | None = None,
@@ -859,7 +894,7 @@ class PoolEncoder:
             wk, wv = self._view(win_k, _u16), self._view(win_v, _u16)
         if T < _SERIAL_BELOW:  # a decode step: one call
             return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, _SCALE_MODE[cfg.scale], gk, gv,
-                                  kprep[0], kprep[1], vprep[0], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,
+                                  kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,
                                   cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv)
         kpre = np.empty((T, H, d), np.float32)
         x = np.empty((T, H * (d // gk), gk), np.float32)

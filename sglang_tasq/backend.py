@@ -160,7 +160,9 @@ class TaSQAttnBackend(AttentionBackend):
         pool, lid = self.pool, layer.layer_id - self.pool.start_layer
         tab = self._decode_tables.get(layer.layer_id)
         if tab is None:
-            tab = self._decode_tables[layer.layer_id] = cpu.DecodeTables(self.codebooks, layer.layer_id)
+            enc = pool._encoder  # share the encoder's codebook arrays (one copy read per step)
+            tab = self._decode_tables[layer.layer_id] = cpu.DecodeTables(
+                self.codebooks, layer.layer_id, enc.prepared(layer.layer_id) if enc is not None else None)
         plan = md.get("plan")
         if plan is None:
             cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)

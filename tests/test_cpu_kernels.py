@@ -196,6 +196,30 @@ def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, 
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
+def test_decode_tables_share_the_encoder_arrays_and_fall_back_on_zero_weights():
+    """The tables are views of the encoder's codeword rows (one copy of each codebook); a zero
+    weight (never from calibration) takes the raw key codebook, and both decode alike."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=4, recent_window=8)
+    seq_lens = [50, 7]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 2, 4, 16, seq_lens, 3, True)
+    enc = cpu.PoolEncoder(cb)
+    tab = cpu.DecodeTables(cb, 0, enc.prepared(0))
+    assert np.shares_memory(tab.kcb, enc.prepared(0)[0][2]) and np.shares_memory(tab.vcb, enc.prepared(0)[1][2])
+    cos, sin = cos_sin(torch.arange(60), cb.inv_freq, cb.attention_scaling)
+    rings, wk, wv, wp = win
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, tab, cfg, kb, cos, sin, 0.25, rings, wk, wv, wp)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    cb.k_weight[0, 1, 3] = 0.0
+    raw = cpu.DecodeTables(cb, 0)
+    assert np.all(raw.kw == 1) and np.array_equal(raw.kcb, cb.k_codebook[0].numpy())
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, raw, cfg, kb, cos, sin, 0.25, rings, wk, wv, wp)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
 def test_decode_attention_is_batch_invariant():
     """A request's output is bit-identical alone and inside batches of other lengths (split-K
     ranges are fixed positions, not chosen from the batch)."""

@@ -1,5 +1,6 @@
 """bench.cpu_step: its three decode steps run on a real TaSQ pool/backend (random SmolLM2-shaped
-codebooks here) and the shared-table and separate-table backends decode alike."""
+codebooks here); the served backend's decode tables are views of its encoder's codebook arrays,
+the separate-tables variant's are its own copies."""
 from __future__ import annotations
 
 import types

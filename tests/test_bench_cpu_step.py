@@ -15,9 +15,9 @@ from sglang_tasq.testing import random_codebooks
 def test_steps_run_and_measure_reports_medians():
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=4, recent_window=8)
     art = types.SimpleNamespace(codebooks=random_codebooks(cpu_step.L, cpu_step.H, cpu_step.D, cfg, seed=1), config=cfg)
-    steps = {"tasq": cpu_step._tasq_setup(art, 2, 40, True), "sep": cpu_step._tasq_setup(art, 2, 40, False),
-             "bf16": cpu_step._bf16_setup(2, 40)}
-    res = cpu_step.measure(steps, reps=2, per_rep=1)
+    steps = {"tasq": cpu_step._tasq_setup(art, 2, 24, True), "sep": cpu_step._tasq_setup(art, 1, 24, False),
+             "bf16": cpu_step._bf16_setup(2, 24)}
+    res = cpu_step.measure(steps, reps=2, per_rep=1)  # small: compile time dominates here
     assert set(res) == set(steps)
     for r in res.values():
         assert len(r["ms"]) == 2 and r["median_ms"] > 0

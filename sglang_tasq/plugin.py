@@ -12,9 +12,15 @@
 - returns :class:`pool.TaSQTokenToKVPool` from the platform's ``get_kv_pool_cls(kind="mha")``;
 - reports TaSQ's true bytes per token to ``DefaultPoolConfigurator`` (so
   ``max_total_num_tokens`` grows by the compression ratio) and charges the window rings as
-  fixed overhead.
+  fixed overhead;
+- refuses an empty prompt (zero tokens once tokenized: ``{"text": ""}``, an empty item of a
+  batch, ``{"input_ids": [[]]}``; SGLang itself only refuses a flat ``{"input_ids": []}``)
+  before ``TokenizerManager._validate_one_request``, with a ``ValueError`` that the HTTP
+  server answers with 400. SGLang 0.5.23 otherwise schedules a 0-token prefill, whose
+  rotary embedding raises (``cannot reshape tensor of 0 elements``) in the scheduler and
+  takes the whole server down. This guard is active with or without ``--tasq-config``.
 
-Without the config (env var unset) every hook passes straight through.
+Without the config (env var unset) every other hook passes straight through.
 """
 from __future__ import annotations
 
@@ -139,6 +145,36 @@ def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
     return None
 
 
+# ---- requests ----------------------------------------------------------------------------------
+EMPTY_PROMPT_MESSAGE = ("The input is empty (0 tokens): the prompt must contain at least one token "
+                        "(got an empty text, input_ids or input_embeds).")
+
+
+def _before_validate_one_request(self, obj, input_ids=None, *args, **kwargs):
+    """Refuse a request with no input tokens (SGLang would crash the scheduler on it).
+
+    ``TokenizerManager._validate_one_request(obj, input_ids)`` runs for every generate and
+    embedding request (single or batched, ``/generate``, ``/v1/*``, ``sglang.Engine``) after
+    tokenization and multimodal expansion, so ``input_ids`` is the final prompt; its
+    ``ValueError`` becomes HTTP 400 like SGLang's other request checks. Running before the
+    original also keeps its decision-layout check from indexing an empty prompt.
+
+    A request that continues a session (``session_params={"id": ...}``) may legitimately send
+    no new tokens (the history supplies the prompt); SGLang's session controller aborts it
+    cleanly if it is still empty after restoring the history, so it is let through."""
+    if "input_ids" in kwargs:
+        input_ids = kwargs["input_ids"]
+    sp = getattr(obj, "session_params", None)
+    if (sp.get("id") if isinstance(sp, dict) else getattr(sp, "id", None)) is not None:
+        return None
+    embeds = getattr(obj, "input_embeds", None)
+    # None means "no token list at this point" (SGLang tolerates it), not an empty prompt.
+    seq = embeds if embeds is not None else input_ids
+    if seq is not None and len(seq) == 0:
+        raise ValueError(EMPTY_PROMPT_MESSAGE)
+    return None
+
+
 def load() -> None:
     """Plugin entry point: register the backend, the flag and the (pass-through) hooks."""
     global _loaded
@@ -158,3 +194,5 @@ def load() -> None:
         _around_cell_size, HookType.AROUND)
     reg("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
         _after_pool_configurator_init, HookType.AFTER)
+    reg("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        _before_validate_one_request, HookType.BEFORE)

@@ -360,18 +360,19 @@ def _codes_of(buf2d, slot, first, n, bits, out):
 
 
 @njit(cache=True, inline="always")
-def _ring_index(win_pos, ring, t, S, sink, recent):
-    """Ring entry holding position t of a request of length S (sink/recent rule), or -1."""
-    if ring > 0 and (t < sink or t >= S - recent):
-        wi = t if t < sink else sink + t % recent
-        if win_pos[ring, wi] == t:
-            return wi
+def _window_entry(entry_of, slot, t, S, sink, recent):
+    """Exact-store entry read for position t of a request of length S (the window rule of
+    ``sglang_tasq.windows``: t < sink or t >= S - recent) held in ``slot``, or -1 (codes)."""
+    if entry_of.shape[0] > 0 and (t < sink or t >= S - recent):
+        e = entry_of[slot]
+        if e > 0:
+            return e
     return -1
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
-                      scale_mode, cos_t, sin_t, rings, win_k, win_v, win_pos, sink, recent, sm_scale,
+                      scale_mode, cos_t, sin_t, entry_of, win_k, win_v, sink, recent, sm_scale,
                       chunk, nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
@@ -384,9 +385,9 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     folded into the dot with every query head of the GQA group (one flat loop over pairs),
     then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
     max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
-    the splits. Each token's codes are unpacked in one pass over its bytes. Window entries are
-    read from the request's bf16 ring (``rings[b]``, 0 = none) where ``win_pos`` holds the
-    token, in native pair order (no permutation to gather). fastmath: sums are reassociated (vectorized)."""
+    the splits. Each token's codes are unpacked in one pass over its bytes. A token inside the
+    window of S is read from its slot's bf16 exact-store entry (``entry_of[slot]``, 0 = none;
+    ``win_k``/``win_v`` [E + 1, 1, H, d]) in native pair order (no permutation to gather). fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
@@ -400,7 +401,6 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         S = indptr[b + 1] - beg
         t_lo = min(S, (item - bh * nsplit) * chunk)
         t_hi = min(S, t_lo + chunk)
-        ring = rings[b]
         P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
         # the query's first / second element of each permuted pair, over the codeword weight of
         # the first (qa, qb2) or second (qb, qa2) element: codewords are read in the tailored
@@ -436,12 +436,13 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         cs = np.empty(P, np.float32)
         sn_ = np.empty(P, np.float32)
         for t in range(t_lo, t_hi):
-            widx = _ring_index(win_pos, ring, t, S, sink, recent)
+            slot = indices[beg + t]
+            widx = _window_entry(entry_of, slot, t, S, sink, recent)
             s = np.float32(1.0)
             if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
                 for p in range(P):
-                    ka[p] = _bf16_bits_to_f32(win_k[ring, widx, h, p])
-                    kb_[p] = _bf16_bits_to_f32(win_k[ring, widx, h, P + p])
+                    ka[p] = _bf16_bits_to_f32(win_k[widx, 0, h, p])
+                    kb_[p] = _bf16_bits_to_f32(win_k[widx, 0, h, P + p])
                 for r in range(rep):
                     acc = np.float32(0.0)
                     for p in range(P):
@@ -449,7 +450,6 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     logits[r, t - t_lo] = acc * sm_scale
                 continue
             else:
-                slot = indices[beg + t]
                 if scale_mode == 1:
                     s = _half_bits_to_f32(np.uint16(kbuf[slot, code_bytes_k]) | (np.uint16(kbuf[slot, code_bytes_k + 1]) << 8))
                 elif scale_mode == 2:
@@ -484,14 +484,14 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         acc_o = np.zeros((rep, d), np.float32)
         vt = np.empty(d, np.float32)
         for t in range(t_lo, t_hi):
-            widx = _ring_index(win_pos, ring, t, S, sink, recent)
+            slot = indices[beg + t]
+            widx = _window_entry(entry_of, slot, t, S, sink, recent)
             if widx >= 0:
                 for r in range(rep):
                     p = logits[r, t - t_lo]
                     for c in range(d):
-                        acc_o[r, c] += p * _bf16_bits_to_f32(win_v[ring, widx, h, c])
+                        acc_o[r, c] += p * _bf16_bits_to_f32(win_v[widx, 0, h, c])
             else:  # decode the value row, then one d-long axpy per query head (vectorizes)
-                slot = indices[beg + t]
                 _codes_of(vbuf, slot, h * Gv, Gv, bits_v, zs)
                 for j in range(Gv):
                     z = zs[j]
@@ -575,17 +575,16 @@ class DecodePlan:
 
     kv_indptr [B+1] / kv_indices: request b's tokens (positions 0..S_b-1) sit at slots
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE tables
-    (attention scaling included); rings [B] ring of each request (0 = none) and win_pos [R, W]
-    int64 (-1 empty) when the pool keeps full-precision windows (``win_pos`` is read through
-    a view: writes made after the plan is built are seen). split_tokens: positions per
-    split-K range (default :data:`SPLIT_TOKENS`); fixed, not chosen from the batch, so every
-    request gets the same floating-point answer alone or in any batch.
+    (attention scaling included); entry_of [slots] int64: each slot's exact-store entry (0 =
+    none; read through a view, so entries assigned after the plan is built are seen), None
+    without windows. split_tokens: positions per split-K range (default
+    :data:`SPLIT_TOKENS`); fixed, not chosen from the batch, so every request gets the same
+    floating-point answer alone or in any batch.
     """
 
     def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cfg, code_bytes_k: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                 rings: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
-                 split_tokens: int | None = None):
+                 entry_of: torch.Tensor | None = None, split_tokens: int | None = None):
         self.cfg, self.code_bytes_k = cfg, code_bytes_k
         self.indptr = kv_indptr.to(torch.int64).contiguous().numpy()
         self.indices = kv_indices.to(torch.int64).contiguous().numpy()
@@ -593,13 +592,12 @@ class DecodePlan:
         Hq, H, d = self.shape = num_q_heads, num_kv_heads, head_dim
         self.cos = cos.float().contiguous().numpy()
         self.sin = sin.float().contiguous().numpy()
-        if rings is None:
-            self.rings, self.win_pos = np.zeros(B, np.int64), _NO_RING[1]
+        if entry_of is None:
+            self.entry_of = np.zeros(0, np.int64)
         else:
-            self.rings = rings.to(torch.int64).contiguous().numpy()
-            if win_pos.dtype != torch.int64 or not win_pos.is_contiguous():
-                raise TypeError("win_pos must be a contiguous int64 tensor (it is read through a view)")
-            self.win_pos = win_pos.numpy()
+            if entry_of.dtype != torch.int64 or not entry_of.is_contiguous():
+                raise TypeError("entry_of must be a contiguous int64 tensor (it is read through a view)")
+            self.entry_of = entry_of.numpy()
         max_len = int((self.indptr[1:] - self.indptr[:-1]).max()) if B else 0
         self.chunk = int(split_tokens or SPLIT_TOKENS)
         if self.chunk < 1:
@@ -611,45 +609,48 @@ class DecodePlan:
         self.part_o = np.empty((B * H * ns, rep, d), np.float32)
         self.scale_mode = _SCALE_MODE[cfg.scale]
 
-    def __call__(self, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, tables: DecodeTables,
-                 sm_scale: float, win_k: torch.Tensor | None = None, win_v: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
+                 win_k=None, win_v=None) -> torch.Tensor:
         """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
-        k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [R, W, H, d]
-        bfloat16 pre-RoPE rings (with the plan's ``rings``). Returns [B, Hq, d] f32."""
+        k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [E + 1, 1, H, d]
+        bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views). -> [B, Hq, d] f32."""
         B, (Hq, H, d) = self.B, self.shape
         if tuple(q.shape) != (B, Hq, d):
             raise ValueError(f"decode plan: q has shape {tuple(q.shape)}, planned for {(B, Hq, d)}")
         out = np.empty((B, Hq, d), np.float32)
         if not B:
             return torch.from_numpy(out)
-        if win_k is None:
+        if win_k is None or not self.entry_of.shape[0]:
             wk = wv = _NO_RING[0]
         else:
-            if win_k.dtype != torch.bfloat16 or win_v.dtype != torch.bfloat16:
-                raise TypeError(f"window rings must be bfloat16, got {win_k.dtype}/{win_v.dtype}")
-            wk, wv = _u16(win_k), _u16(win_v)
+            for w in (win_k, win_v):
+                if isinstance(w, torch.Tensor) and w.dtype != torch.bfloat16:
+                    raise TypeError(f"window entries must be bfloat16, got {w.dtype}")
+            wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
         cfg = self.cfg
-        _decode_attention(q.detach().float().contiguous().numpy(), k_rows.numpy(), v_rows.numpy(),
-                          self.indptr, self.indices, tables.kcb, tables.kperm, tables.kw, tables.vcb, cfg.code_bits_k,
-                          cfg.code_bits_v, self.code_bytes_k, self.scale_mode, self.cos, self.sin,
-                          self.rings, wk, wv, self.win_pos, cfg.sink_window, cfg.recent_window, np.float32(sm_scale),
-                          self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
+        _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
+                          _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
+                          tables.kw, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, self.code_bytes_k, self.scale_mode,
+                          self.cos, self.sin, self.entry_of, wk, wv, cfg.sink_window, cfg.recent_window,
+                          np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
         return torch.from_numpy(out)
 
 
 def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, tables: DecodeTables, cfg, code_bytes_k: int,
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
-                     rings: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
-                     win_v: torch.Tensor | None = None, win_pos: torch.Tensor | None = None,
-                     split_tokens: int | None = None) -> torch.Tensor:
+                     entry_of: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
+                     win_v: torch.Tensor | None = None, split_tokens: int | None = None) -> torch.Tensor:
     """Decode attention of one layer over packed codes, all requests in one call (a one-layer
-    :class:`DecodePlan`; see it for the arguments). Returns [B, Hq, d] f32."""
+    :class:`DecodePlan`; see it for the arguments; win_k/win_v [E + 1, H, d] or [E + 1, 1, H, d]).
+    Returns [B, Hq, d] f32."""
     B, Hq, d = q.shape
     plan = DecodePlan(kv_indptr, kv_indices, cfg, code_bytes_k, Hq, tables.kcb.shape[0], d, cos, sin,
-                      rings, win_pos.to(torch.int64).contiguous() if rings is not None else None, split_tokens)
-    return plan(q, k_rows, v_rows, tables, sm_scale, win_k if rings is not None else None,
-                win_v if rings is not None else None)
+                      entry_of.to(torch.int64).contiguous() if entry_of is not None else None, split_tokens)
+    if win_k is not None and win_k.dim() == 3:
+        win_k, win_v = win_k.unsqueeze(1), win_v.unsqueeze(1)
+    return plan(q, k_rows, v_rows, tables, sm_scale, win_k if entry_of is not None else None,
+                win_v if entry_of is not None else None)
 
 
 # ---- fused pool encode ----------------------------------------------------------------------
@@ -811,6 +812,11 @@ def _as_f32(t: torch.Tensor) -> np.ndarray:
     return _np(t, torch.float32)
 
 
+def _arr(t, make) -> np.ndarray:
+    """A numpy array as is (the caller's long-lived view), a tensor through ``make``."""
+    return t if isinstance(t, np.ndarray) else make(t)
+
+
 def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """``t`` as a contiguous numpy array of ``dtype`` (no copy when it already is one)."""
     if t.dtype != dtype or not t.is_contiguous():
@@ -820,7 +826,7 @@ def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 class PoolEncoder:
     """Encode one layer's new tokens straight into a TaSQ pool (keys un-rotated, tailored,
-    coded, packed; values coded, packed; window tokens copied to bf16 rings).
+    coded, packed; values coded, packed; window tokens copied to their bf16 exact entries).
 
     Equals the pool's reference path (``rope.apply_rope(inverse) -> codec.key_tailor ->
     codec.nearest_codeword -> codec.pack_codes``) up to float rounding: the shared scale's
@@ -832,19 +838,6 @@ class PoolEncoder:
             raise NotImplementedError("the CPU pool encoder serves diagonal (or no) key weighting; "
                                       "the dense-weighting ablation uses the reference path")
         self.cb, self.cfg, self.layers = cb, cb.config, {}
-        self._views = {}  # id(tensor) -> (tensor, numpy view): pool buffers, rings, RoPE tables
-
-    def _view(self, t: torch.Tensor, make) -> np.ndarray:
-        """``make(t)``, a numpy view of a long-lived tensor, made once (the tensor is held, so
-        its id stays its own); a decode step calls this for every layer."""
-        hit = self._views.get(id(t))
-        if hit is not None and hit[0] is t:
-            return hit[1]
-        if len(self._views) > 256:
-            self._views.clear()
-        arr = make(t)
-        self._views[id(t)] = (t, arr)
-        return arr
 
     def _layer(self, layer: int):
         tab = self.layers.get(layer)
@@ -868,7 +861,8 @@ class PoolEncoder:
                     win_v: torch.Tensor | None = None) -> bool:
         """k_post/v [T, H, d] (any float dtype), positions [T] (< len(cos)), loc [T] slots of
         k_rows/v_rows (uint8 pool buffers, written in place); optional window targets wring [T]
-        (ring, 0 = none) and widx [T] into bf16 rings win_k/win_v [R, W, H, d].
+        (exact-store entry, 0 = none) and widx [T] (0) into bf16 entries win_k/win_v [E + 1, 1, H, d]
+        (tensors or uint16 numpy views; the pool passes views made once).
 
         Returns False, having written nothing, when a tailored key or a value is not finite
         (the caller then uses the reference path, whose argmin defines that case)."""
@@ -877,21 +871,21 @@ class PoolEncoder:
         if T == 0:
             return True
         for buf in (k_rows, v_rows, win_k, win_v):
-            if buf is not None and not buf.is_contiguous():
+            if buf is not None and not (buf.flags.c_contiguous if isinstance(buf, np.ndarray) else buf.is_contiguous()):
                 raise ValueError("PoolEncoder writes in place: pool buffers must be contiguous")
         w, kperm, kprep, vprep = self._layer(layer)
         gk, gv = cfg.group_size_k, cfg.group_size_v
         kf, vf = _np(k_post, torch.float32), _np(v, torch.float32)
         pos, locn = _np(positions, torch.int64), _np(loc, torch.int64)
-        cosn, sinn = self._view(cos, _as_f32), self._view(sin, _as_f32)
-        kb, vb = self._view(k_rows, torch.Tensor.numpy), self._view(v_rows, torch.Tensor.numpy)
+        cosn, sinn = _arr(cos, _as_f32), _arr(sin, _as_f32)
+        kb, vb = _arr(k_rows, torch.Tensor.numpy), _arr(v_rows, torch.Tensor.numpy)
         Hs = {"shared": 1, "per_head": H, "none": 0}[cfg.scale]
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]
         else:
             wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
-            wk, wv = self._view(win_k, _u16), self._view(win_v, _u16)
+            wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
         if T < _SERIAL_BELOW:  # a decode step: one call
             return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, _SCALE_MODE[cfg.scale], gk, gv,
                                   kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,

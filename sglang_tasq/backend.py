@@ -26,6 +26,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 import torch.nn.functional as F
 
+from . import windows
 from .rope import cos_sin, rotate
 
 
@@ -63,7 +64,9 @@ class TaSQAttnBackend(AttentionBackend):
 
     # ---- metadata ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
-        """Per-token request rows and kv lengths for the window writes; per-request lists on CPU."""
+        """Per-token request rows and kv lengths; the window entries of the new tokens (assigned
+        once per forward) after pinning every request's windows (:meth:`TaSQTokenToKVPool.begin_forward`);
+        per-request lists on CPU."""
         fb = forward_batch
         seq_lens = fb.seq_lens.to(torch.int64)
         if fb.forward_mode.is_decode():
@@ -76,14 +79,17 @@ class TaSQAttnBackend(AttentionBackend):
             rows=rows, tok_seq_lens=tok_seq,
             req_rows=fb.req_pool_indices.tolist(), seq_lens=seq_lens.tolist(), q_lens=q_lens.tolist(),
         )
+        md["prefix_lens"] = [S - t for S, t in zip(md["seq_lens"], md["q_lens"])]
+        self.pool.begin_forward(md["req_rows"], md["prefix_lens"], md["seq_lens"])
+        md["positions"] = fb.positions.to(torch.int64)
+        if fb.out_cache_loc is not None and md["positions"].numel():
+            md["win_targets"] = self.pool.window_targets(md["positions"], rows, tok_seq, fb.out_cache_loc)
         if self._decode_kernel and fb.forward_mode.is_decode() and not seq_lens.is_cuda:
             # the kernel reads every request's slots 0..S-1 through one flat index (all layers)
             r2t = self.req_to_token_pool.req_to_token
             md["kv_indptr"] = torch.tensor([0] + md["seq_lens"], dtype=torch.int64).cumsum(0)
             md["kv_indices"] = (torch.cat([r2t[r, :n] for r, n in zip(md["req_rows"], md["seq_lens"])]).to(torch.int64)
                                 if md["req_rows"] else torch.zeros(0, dtype=torch.int64))
-            ring_of = self.pool.ring_of
-            md["rings"] = ring_of[fb.req_pool_indices.to(torch.int64)] if ring_of is not None else None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         raise NotImplementedError("tasq: CUDA graphs are not supported; pass --disable-cuda-graph")
@@ -111,11 +117,8 @@ class TaSQAttnBackend(AttentionBackend):
             out = self._cuda.forward(q3, k, v, layer, fb, md, save_kv_cache)
             return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
         if save_kv_cache and k is not None and v is not None:
-            if "win_targets" not in md:  # once per forward (the same for every layer)
-                md["positions"] = fb.positions.to(torch.int64)
-                md["win_targets"] = self.pool.window_targets(md["positions"], md["rows"], md["tok_seq_lens"])
             self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"],
-                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"], win_targets=md["win_targets"])
+                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
         H = layer.tp_k_head_num
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None
@@ -132,25 +135,45 @@ class TaSQAttnBackend(AttentionBackend):
         return out.reshape(-1, Hq * layer.v_head_dim)
 
     def _attend(self, q, layer, row: int, S: int, chunk=None) -> torch.Tensor:
-        """q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1 -> [Tq, Hq, d] f32.
+        """q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1 -> [Tq, Hq, d] f32, by the window rule of
+        :mod:`sglang_tasq.windows` for every query (so one chunk, many chunks or a radix-cached
+        prefix give the same attention): query i reads key j exactly iff j < sink or
+        j >= i + 1 - recent, from its codes otherwise.
 
-        chunk: (k [Tq, H, d] post-RoPE, v [Tq, H, d]) exact k/v of the last Tq positions, or
-        None to read all ``S`` tokens from the pool (decode).
+        chunk: (k [Tq, H, d] post-RoPE, v [Tq, H, d]) exact k/v of the last Tq positions (their
+        codes already in the pool), or None to read all ``S`` tokens from the pool (decode).
         """
         Tq = q.shape[0]
-        P = S - Tq if chunk is not None else S
-        if P == 0 and chunk is not None:
-            # no prefix: plain causal attention over the exact chunk, in the model's dtype (what
-            # the bf16 torch_native backend computes; nothing is read from codes)
-            return _sdpa(q, chunk[0], chunk[1], layer.scaling, dtype=q.dtype)
-        slots = self.req_to_token_pool.req_to_token[row, :P].to(torch.int64)
-        k_pre, v = self.pool.read_request(layer.layer_id, slots, row, S)
-        cos, sin = self._cos_sin(P, q.device)  # == apply_rope at positions 0..P-1 (same table values)
-        k = rotate(k_pre, cos, sin)
-        if chunk is not None:
-            k = torch.cat([k, chunk[0].float()], dim=0)
-            v = torch.cat([v, chunk[1].float()], dim=0)
-        return _sdpa(q, k, v, layer.scaling)
+        slots = self.req_to_token_pool.req_to_token[row, :S].to(torch.int64)
+        pool = self.pool
+        cos, sin = self._cos_sin(S, q.device)  # == apply_rope at positions 0..S-1 (same table values)
+        if chunk is None:
+            k_pre, v = pool.read_request(layer.layer_id, slots, row, S)
+            return _sdpa(q, rotate(k_pre, cos, sin), v, layer.scaling)
+        P = S - Tq
+        cfg = pool.tasq_config
+        sink, recent = cfg.sink_window, cfg.recent_window
+        q_pos = torch.arange(P, S, device=q.device)
+        k_pos = torch.arange(S, device=q.device)
+        ex = windows.query_window(q_pos, k_pos, sink, recent)  # [Tq, S]
+        causal = k_pos[None, :] <= q_pos[:, None]
+        if bool((ex | ~causal).all()):  # every key a query sees is in its window: exact attention
+            k_ex, v_ex = chunk[0].float(), chunk[1].float()
+            if P:
+                k_pre, v_pre = pool.read_codes(layer.layer_id, slots[:P])
+                pool.read_exact(layer.layer_id, slots[:P], k_pre, v_pre, torch.ones(P, dtype=torch.bool))
+                k_ex = torch.cat([rotate(k_pre, cos[:P], sin[:P]), k_ex])
+                v_ex = torch.cat([v_pre, v_ex])
+            return _sdpa(q, k_ex, v_ex, layer.scaling)
+        k_dec, v_dec = pool.read_codes(layer.layer_id, slots)
+        k_ex, v_ex = k_dec.clone(), v_dec.clone()
+        need = ex.any(0)
+        need[P:] = False
+        pool.read_exact(layer.layer_id, slots, k_ex, v_ex, need)
+        k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
+        k_ex[P:] = chunk[0].float()
+        v_ex[P:] = chunk[1].float()
+        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
 
     def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
         """Decode over the pool with the Numba kernel (``numba_kernels.cpu.DecodePlan``, built
@@ -168,11 +191,12 @@ class TaSQAttnBackend(AttentionBackend):
             cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)
             plan = md["plan"] = cpu.DecodePlan(
                 md["kv_indptr"], md["kv_indices"], pool.tasq_config, pool.code_bytes_k, layer.tp_q_head_num,
-                layer.tp_k_head_num, layer.qk_head_dim, cos.squeeze(1), sin.squeeze(1), md["rings"],
-                pool.win_pos if md["rings"] is not None else None)
-        if md["rings"] is not None:
-            return plan(q3, pool.k_buffer[lid], pool.v_buffer[lid], tab, layer.scaling, pool.win_k[lid], pool.win_v[lid])
-        return plan(q3, pool.k_buffer[lid], pool.v_buffer[lid], tab, layer.scaling)
+                layer.tp_k_head_num, layer.qk_head_dim, cos.squeeze(1), sin.squeeze(1),
+                pool.exact.entry_of if pool.exact is not None else None)
+        npv = pool._np
+        if pool.exact is not None:
+            return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling, npv["wk"][lid], npv["wv"][lid])
+        return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling)
 
     def _cos_sin(self, n: int, device):
         """cos, sin [n, 1, d/2] of positions 0..n-1 (the pool's cached ``rope.cos_sin`` table)."""
@@ -201,3 +225,28 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=sm_scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)
+
+
+def _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex, causal, sm_scale: float, block: int = 256) -> torch.Tensor:
+    """fp32 attention of q [Tq, Hq, d] over S keys where query i reads key j from (k_ex, v_ex)
+    when ``ex[i, j]`` and from (k_dec, v_dec) otherwise, among the keys ``causal[i, j]`` allows
+    (k, v [S, H, d], post-RoPE keys; GQA); queries in blocks (memory ~ block x S)."""
+    Tq, Hq, d = q.shape
+    H = k_ex.shape[1]
+    rep = Hq // H
+    kx = k_ex.float().transpose(0, 1).repeat_interleave(rep, 0)  # [Hq, S, d]
+    kd = k_dec.float().transpose(0, 1).repeat_interleave(rep, 0)
+    vx = v_ex.float().transpose(0, 1).repeat_interleave(rep, 0)
+    vd = v_dec.float().transpose(0, 1).repeat_interleave(rep, 0)
+    out = torch.empty(Tq, Hq, v_ex.shape[2], dtype=torch.float32, device=q.device)
+    for a in range(0, Tq, block):
+        b = min(Tq, a + block)
+        qh = q[a:b].float().transpose(0, 1)  # [Hq, n, d]
+        e, c = ex[a:b], causal[a:b]
+        s = torch.where(e, qh @ kx.transpose(1, 2), qh @ kd.transpose(1, 2)) * sm_scale
+        s = s.masked_fill(~c, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        pe = p * e
+        o = pe @ vx + (p - pe) @ vd
+        out[a:b] = o.transpose(0, 1)
+    return out

@@ -42,3 +42,10 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 
         return cpu.unpack(packed, n, bits)
     return codec.unpack_codes(packed, n, bits)
+
+
+def u16_view(t: torch.Tensor):
+    """A contiguous 16-bit float tensor's bits as a uint16 numpy array sharing its memory."""
+    if not t.is_contiguous() or t.element_size() != 2:
+        raise ValueError("u16_view needs a contiguous 16-bit tensor")
+    return t.view(torch.int16).numpy().view("uint16")

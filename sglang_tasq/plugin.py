@@ -102,7 +102,28 @@ def _before_resolve(server_args, *args, **kwargs):
     launch.validate(server_args)
     if getattr(server_args, "attention_backend", None) is None:
         server_args.attention_backend = launch.BACKEND_NAME
+    _size_windows(server_args)
     return None
+
+
+def _size_windows(server_args) -> None:
+    """The exact window store holds the windows of every request that can run at once: size it
+    from ``--max-running-requests`` (set to ``SGLANG_TASQ_WINDOW_ROWS``, default 128, when not
+    given), refuse a limit above an explicit ``SGLANG_TASQ_WINDOW_ROWS``; exported to the spawned
+    processes, where the pool and the pool-size hook read it."""
+    from .pool import window_ring_rows
+
+    env = os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "").strip()
+    mrr = getattr(server_args, "max_running_requests", None)
+    if mrr is None:
+        server_args.max_running_requests = rows = window_ring_rows()
+    elif env and int(mrr) > int(env):
+        raise launch.TaSQLaunchError(
+            f"tasq: --max-running-requests {mrr} exceeds SGLANG_TASQ_WINDOW_ROWS={env}, the requests whose "
+            f"full-precision windows the store holds; raise SGLANG_TASQ_WINDOW_ROWS or lower the limit")
+    else:
+        rows = int(env) if env else int(mrr)
+    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(rows)
 
 
 def _around_engine_init(original, self, *args, **kwargs):
@@ -130,7 +151,8 @@ def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
 
     art = launch.runtime_artifact()
     fp = art.model
-    return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers))
+    # + the slot's exact-store entry index (int64)
+    return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers)) + SLOT_INDEX_BYTES
 
 
 def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
@@ -140,9 +162,39 @@ def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
 
     art = launch.runtime_artifact()
     fp = art.model
-    extra = window_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_ring_rows() + 1)
+    extra = window_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_ring_rows())
     self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra
     return None
+
+
+# ---- radix cache -------------------------------------------------------------------------------
+SLOT_INDEX_BYTES = 8
+
+
+def _around_match_prefix(original, self, params, *args, **kwargs):
+    """Cut a radix match where the full-precision window entries its first recomputed query
+    needs are gone (evicted from the exact store): the rest is recomputed, never read from codes."""
+    result = original(self, params, *args, **kwargs)
+    P = int(getattr(result, "device_prefix_len", 0) or 0)
+    if not P or not launch.active():
+        return result
+    alloc = getattr(self, "token_to_kv_pool_allocator", None)
+    pool = alloc.get_kvcache() if alloc is not None and hasattr(alloc, "get_kvcache") else None
+    if pool is None or not hasattr(pool, "valid_prefix"):
+        return result
+    slots = self.path_device_indices(result.last_device_node)[:P]
+    keep = pool.valid_prefix(slots)
+    if keep >= P:
+        return result
+    import dataclasses
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    key = params.key
+    limit = keep if key.limit is None else min(keep, key.limit)
+    cut = RadixKey(key.token_ids, extra_key=key.extra_key, is_bigram=key.is_bigram, limit=limit,
+                   cache_salt=key.cache_salt)
+    return original(self, dataclasses.replace(params, key=cut), *args, **kwargs)
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -194,5 +246,8 @@ def load() -> None:
         _around_cell_size, HookType.AROUND)
     reg("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.__init__",
         _after_pool_configurator_init, HookType.AFTER)
+    for cls in ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache",
+                "sglang.srt.mem_cache.radix_cache.RadixCache"):
+        reg(f"{cls}.match_prefix", _around_match_prefix, HookType.AROUND)
     reg("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         _before_validate_one_request, HookType.BEFORE)

@@ -1,4 +1,4 @@
-"""TaSQ KV pool for SGLang: packed VQ codes per token slot plus per-request full-precision windows.
+"""TaSQ KV pool for SGLang: packed VQ codes per token slot plus slot-keyed full-precision windows.
 
 Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding writes):
 
@@ -9,34 +9,42 @@ Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding wr
 
 SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 768 in bf16.
 
-Full-precision windows (sink = first ``sink_window`` positions, recent = last
-``recent_window`` positions) live in per-request rings:
-``win_k[l]``, ``win_v[l]``: bf16 ``[N + 1, W, H, d]`` (pre-RoPE keys), ``W = sink + recent``,
-with ``win_pos[N + 1, W]`` holding the position each entry stores (-1 = empty); ``N`` =
-``window_ring_rows()`` (env ``SGLANG_TASQ_WINDOW_ROWS``, default 128); a ring is bound to a request row when SGLang
-allocates the row (``ring_of``) and returned when it frees it. Position ``p`` lives at ring
-index ``p`` (sink) or ``sink + p % recent`` (recent). A ring is cleared when it is bound, so
-only tokens the request wrote itself are read in full precision; tokens of a prefix shared through the radix cache are
-read from their codes (codes are per slot, so sharing, chunked prefill, retraction and
-aborts need nothing else). The rings are a fixed cost per request row, charged to the
-memory budget by the plugin's pool-sizing hook (:func:`window_bytes`).
+Full-precision windows follow the one rule of :mod:`sglang_tasq.windows` (a query at position
+``i`` reads ``j`` exactly iff ``j < sink`` or ``j >= i + 1 - recent``), whoever wrote the token:
+the exact bf16 copies live in an :class:`windows.ExactStore` keyed by slot (``exact.k[l]``,
+``exact.v[l]`` ``[E + 1, H, d]``, ``exact.entry_of[slot]``), so they are shared through the radix
+cache exactly like the codes. ``E`` is sized for every request row SGLang can run at once
+(``window_rows()`` rows x (sink + 2 recent): a chunk's own window plus the prefix tail its
+queries read) and charged to the memory budget by the plugin (:func:`window_bytes`); entries
+no live request needs stay in LRU order for later prefix matches, and a prefix match is cut
+where an entry it needs is gone (``plugin``'s match hook), so nothing is ever served from codes
+that the rule says is exact.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from . import codec, fastpath
+from . import codec, fastpath, windows
 from .launch import runtime_artifact
 from .rope import apply_rope
 
 
 def window_ring_rows() -> int:
-    """How many requests can hold full-precision windows at once (SGLANG_TASQ_WINDOW_ROWS, 128)."""
+    """How many requests can run with their windows at once (``SGLANG_TASQ_WINDOW_ROWS``, default
+    128; the plugin sets it from ``--max-running-requests`` and caps that limit to it)."""
     return int(os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "128"))
+
+
+def window_entries(cfg, rows: int | None = None) -> int:
+    """Entries of the exact store for ``rows`` concurrently running requests."""
+    rows = window_ring_rows() if rows is None else rows
+    if cfg.sink_window + cfg.recent_window == 0:
+        return 0
+    return max(1, rows) * (cfg.sink_window + 2 * cfg.recent_window)
 
 
 def scale_bytes(cfg, num_kv_heads: int) -> int:
@@ -58,9 +66,10 @@ def bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> i
 
 
 def window_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, req_rows: int) -> int:
-    """Bytes of the bf16 window rings (keys + values + positions) for ``req_rows`` rows."""
-    W = cfg.sink_window + cfg.recent_window
-    return req_rows * W * (2 * num_kv_heads * head_dim * 2 * num_layers + 8)
+    """Bytes of the exact store (bf16 keys + values of every layer, owner and stamp per entry)
+    for ``req_rows`` concurrently running requests (the per-slot entry index is in :meth:`slot_bytes`)."""
+    E = window_entries(cfg, req_rows)
+    return (E + 1) * (2 * num_kv_heads * head_dim * 2 * num_layers + 16) + E * 8
 
 
 class TaSQTokenToKVPool(MHATokenToKVPool):
@@ -86,16 +95,17 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self.v_buffer = [torch.zeros(rows, self.code_bytes_v, dtype=torch.uint8, device=self.device)
                              for _ in range(self.layer_num)]
         self.window = cfg.sink_window + cfg.recent_window
-        self.win_k = self.win_v = self.win_pos = self.ring_of = None
-        n = window_ring_rows()
-        if self.window and n:
+        self.exact = None
+        self.win_k = self.win_v = None
+        self._live = {}  # request row -> (lo, kv length): positions < sink and in [lo, length) are pinned
+        self._np = {}  # numpy views of long-lived buffers, made once here (never looked up by id())
+        E = window_entries(cfg)
+        if self.window:
             with self.memory_saver_adapter.region("kv_cache"):
-                # ring 0 is the "no window" ring: never valid (win_pos stays -1, writes dropped)
-                self.win_k = [torch.zeros(n + 1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
-                              for _ in range(self.layer_num)]
-                self.win_v = [torch.zeros(n + 1, self.window, H, d, dtype=torch.bfloat16, device=self.device)
-                              for _ in range(self.layer_num)]
-                self.win_pos = torch.full((n + 1, self.window), -1, dtype=torch.int64, device=self.device)
+                self.exact = windows.ExactStore(rows, E, self.layer_num, H, d, device=self.device)
+            # [E + 1, 1, H, d] views: the kernels' (entry, index 0) addressing of the store
+            self.win_k = [t.unsqueeze(1) for t in self.exact.k]
+            self.win_v = [t.unsqueeze(1) for t in self.exact.v]
         # CPU fast paths, tested against the reference codec: codebooks prepared once per layer;
         # Numba kernels (numba_kernels.cpu) unless SGLANG_TASQ_CPU_KERNELS=0 (plain torch)
         self.cpu_kernels = fastpath.cpu_kernels_enabled()
@@ -108,91 +118,141 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             from numba_kernels.cpu import PoolEncoder
 
             self._encoder = PoolEncoder(self.codebooks)
+        if self.device == "cpu" or str(self.device) == "cpu":
+            from .fastpath import u16_view
+
+            self._np = {"k": [t.numpy() for t in self.k_buffer], "v": [t.numpy() for t in self.v_buffer],
+                        "wk": [u16_view(t) for t in self.win_k] if self.win_k else None,
+                        "wv": [u16_view(t) for t in self.win_v] if self.win_v else None}
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
     # ---- windows ---------------------------------------------------------------------------
     def attach_request_rows(self, req_to_token_pool) -> None:
-        """Map request rows onto the window rings (bound on row alloc, returned on row free).
-        A request that finds no free ring gets no windows (reads codes only)."""
-        if self.win_k is None or self.ring_of is not None:
+        """Track live request rows (their windows are pinned in the exact store) and check that
+        the store holds the windows of every row SGLang can run at once (refused at start-up)."""
+        if self.exact is None or getattr(self, "_attached", None) is req_to_token_pool:
             return
-        n = self.win_pos.shape[0] - 1
-        self.ring_of = torch.zeros(req_to_token_pool.req_to_token.shape[0], dtype=torch.int64, device=self.device)
-        self._free_rings = list(range(n, 0, -1))
+        cfg = self.tasq_config
+        need = req_to_token_pool.size * (cfg.sink_window + 2 * cfg.recent_window)
+        if need > self.exact.capacity:
+            raise RuntimeError(
+                f"tasq: {req_to_token_pool.size} request rows need {need} full-precision window entries, the "
+                f"store holds {self.exact.capacity} (SGLANG_TASQ_WINDOW_ROWS={window_ring_rows()}); lower "
+                f"--max-running-requests or raise SGLANG_TASQ_WINDOW_ROWS")
+        self._attached = req_to_token_pool
+        self._r2t = req_to_token_pool.req_to_token
         previous_alloc, original_free = req_to_token_pool._on_alloc_rows, req_to_token_pool.free_rows
 
         def on_alloc_rows(rows):
             for r in rows:
-                ring = self._free_rings.pop() if self._free_rings else 0
-                self.ring_of[r] = ring
-                if ring:
-                    self.win_pos[ring] = -1
+                self._live[int(r)] = (0, 0)
             if previous_alloc is not None:
                 previous_alloc(rows)
 
         def free_rows(rows):
             for r in rows:
-                ring = int(self.ring_of[r])
-                if ring:
-                    self._free_rings.append(ring)
-                self.ring_of[r] = 0
+                self._live.pop(int(r), None)
             return original_free(rows)
 
         original_clear = req_to_token_pool.clear
 
         def clear():
-            self.ring_of.zero_()
-            self._free_rings = list(range(n, 0, -1))
+            self._live.clear()
             return original_clear()
 
         req_to_token_pool._on_alloc_rows = on_alloc_rows
         req_to_token_pool.free_rows = free_rows
         req_to_token_pool.clear = clear
 
-    def window_index(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions [T] -> ring index [T] (valid for sink and recent positions)."""
-        sink, recent = self.tasq_config.sink_window, self.tasq_config.recent_window
-        if recent == 0:
-            return positions.clamp(max=max(sink - 1, 0))
-        return torch.where(positions < sink, positions, sink + positions % recent)
+    def pinned_slots(self) -> torch.Tensor:
+        """Slots whose exact entries a live request still needs (its sink and recent window, and
+        during an extend the prefix tail its queries read)."""
+        sink = self.tasq_config.sink_window
+        parts = []
+        for row, (lo, n) in self._live.items():
+            if n:
+                r = self._r2t[row]
+                parts.append(r[: min(sink, n)])
+                parts.append(r[max(lo, 0): n])
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.cat(parts).to(torch.int64)
 
-    def in_window(self, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """[T] bool: positions inside the sink or the last ``recent`` positions of ``seq_len``."""
+    def begin_forward(self, req_rows, prefix_lens, seq_lens) -> None:
+        """Per forward, before any write: pin each request's windows (prefix tail included) and
+        check that every exact entry its queries will read is present (never served from codes)."""
+        if self.exact is None:
+            return
+        self.exact.tick()
         cfg = self.tasq_config
-        return (positions < cfg.sink_window) | (positions >= seq_len - cfg.recent_window)
+        sink, recent = cfg.sink_window, cfg.recent_window
+        r2t = self._r2t
+        for row, P, S in zip(req_rows, prefix_lens, seq_lens):
+            lo = max(0, P + 1 - recent)
+            self._live[int(row)] = (lo, S)
+            if P == 0:
+                continue
+            need = torch.cat([r2t[row, : min(sink, P)], r2t[row, max(lo, min(sink, P)): P]]).to(torch.int64)
+            ent = self.exact.entry_of[need]
+            if not bool((ent > 0).all()):
+                miss = int((ent == 0).sum())
+                raise RuntimeError(
+                    f"tasq: request row {row} (prefix {P} of {S} tokens) lacks {miss} full-precision window "
+                    f"entries of its prefix; refusing to serve them from codes")
+            self.exact.touch(need)
+
+    def valid_prefix(self, slots: torch.Tensor) -> int:
+        """Longest usable part of a matched prefix held in ``slots`` [P] (radix match hook)."""
+        if self.exact is None:
+            return int(slots.numel())
+        cfg = self.tasq_config
+        slots = slots.to(self.exact.entry_of.device).to(torch.int64)
+        P = windows.exact_prefix_limit(self.exact.entry_of[slots] > 0, cfg.sink_window, cfg.recent_window)
+        if P:
+            self.exact.touch(slots[:P])
+        return P
+
+    def in_window(self, positions: torch.Tensor, seq_len) -> torch.Tensor:
+        """[T] bool: positions read exactly by a query at ``seq_len - 1`` (:func:`windows.in_window`)."""
+        cfg = self.tasq_config
+        return windows.in_window(positions, seq_len, cfg.sink_window, cfg.recent_window)
 
     # ---- writes ----------------------------------------------------------------------------
     def rope_table(self, n: int):
-        """cos, sin [m >= n, d/2] float32 for positions 0..m-1 (``rope.cos_sin``; cached, grown by doubling)."""
+        """cos, sin [m >= n, d/2] float32 for positions 0..m-1 (``rope.cos_sin``; cached, grown by
+        doubling; the values of a position do not depend on m)."""
         tab = self._rope
         if tab is None or tab[0].shape[0] < n:
             from .rope import cos_sin
 
             m = max(n, 2 * (tab[0].shape[0] if tab is not None else 0), 1024)
             cb = self.codebooks
-            tab = self._rope = cos_sin(torch.arange(m, device=self.device), cb.inv_freq.to(self.device),
-                                       cb.attention_scaling)
-        return tab
+            cos, sin = cos_sin(torch.arange(m, device=self.device), cb.inv_freq.to(self.device), cb.attention_scaling)
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
+            tab = self._rope = (cos, sin, *((cos.numpy(), sin.numpy()) if cos.device.type == "cpu" else (None, None)))
+        return tab[0], tab[1]
 
-    def window_targets(self, positions, req_rows, seq_lens):
-        """(ring [T], ring index [T]) where each of T new tokens goes (ring 0: not kept), or None
-        without rings. Same for every layer of a forward: the backend computes it once."""
-        if self.ring_of is None or req_rows is None:
+    def window_targets(self, positions, req_rows, seq_lens, loc=None):
+        """(entry [T], index [T] (zeros), kept position [T] or -1) of T new tokens: an exact-store
+        entry for every token inside the window of its forward's kv length (0: not kept), or None
+        without windows. Assigns the entries (call once per forward, before layer 0 writes)."""
+        if self.exact is None or seq_lens is None:
             return None
-        keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
-        ring = self.ring_of[req_rows]
-        keep = keep & (ring > 0)
-        return torch.where(keep, ring, 0), self.window_index(positions), torch.where(keep, positions, -1)
+        keep = self.in_window(positions, seq_lens)
+        slots = unwrap_write_loc(loc)[0].to(torch.int64)
+        ent = self.exact.assign(slots, keep, self.pinned_slots)
+        return ent, torch.zeros_like(ent), torch.where(keep, positions, -1)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, positions=None, req_rows=None,
                       seq_lens=None, win_targets=None, **kwargs):
         """Encode and store one layer's new tokens.
 
         cache_k: [T, H*d] or [T, H, d] POST-RoPE keys; cache_v likewise; positions [T] int
-        (required: keys are un-rotated before encoding); req_rows [T] request row of each
-        token and seq_lens [T] the request's kv length after this forward (for the windows);
-        win_targets: :meth:`window_targets` of those, when the caller has it already.
+        (required: keys are un-rotated before encoding); seq_lens [T] the kv length of each
+        token's request after this forward (for the windows); win_targets:
+        :meth:`window_targets` of the forward (computed once by the backend; computed here
+        when missing, which is right only for the forward's first layer).
         """
         if positions is None:
             raise NotImplementedError("TaSQTokenToKVPool.set_kv_buffer needs positions= (keys arrive "
@@ -201,20 +261,19 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         lid = layer.layer_id - self.start_layer
         T, H, d = loc.shape[0], self.head_num, self.head_dim
         cb = self.codebooks
+        if win_targets is None:
+            win_targets = self.window_targets(positions, req_rows, seq_lens, loc)
         if self._encoder is not None and T and not cache_k.is_cuda:
-            if win_targets is None:
-                win_targets = self.window_targets(positions, req_rows, seq_lens)
             cos, sin = self.rope_table(int(positions.max()) + 1)
+            _, _, cos_np, sin_np = self._rope
             wr = wi = None
             if win_targets is not None:
-                wr, wi, wpos = win_targets
+                wr, wi, _ = win_targets
             done = self._encoder.encode_into(
-                layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos, sin, loc,
-                self.k_buffer[lid], self.v_buffer[lid], self.code_bytes_k, wr, wi,
-                self.win_k[lid] if wr is not None else None, self.win_v[lid] if wr is not None else None)
+                layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos_np, sin_np, loc,
+                self._np["k"][lid], self._np["v"][lid], self.code_bytes_k, wr, wi,
+                self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None)
             if done:
-                if wr is not None and lid == 0:
-                    self.win_pos[wr, wi] = wpos
                 return
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)
@@ -226,7 +285,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         krow = pack(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
         vrow = pack(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
         self.write_rows(lid, loc, krow, k_scale, vrow)
-        self.write_windows(lid, positions, k_pre, v, req_rows, seq_lens)
+        self.write_windows(lid, k_pre, v, win_targets)
 
     def write_rows(self, lid: int, loc, k_packed, k_scale, v_packed) -> None:
         """Store packed key codes [T, Bk] (+ fp16 scales [T] / [T, H] or None) and packed value
@@ -237,35 +296,23 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.k_buffer[lid][loc] = k_packed.to(self.device)
         self.v_buffer[lid][loc] = v_packed.to(self.device)
 
-    def write_windows(self, lid: int, positions, k_pre, v, req_rows, seq_lens) -> None:
-        """Copy the window tokens among [T] new ones (pre-RoPE keys k_pre, values v [T, H, d]) into
-        their requests' rings; req_rows [T] request rows, seq_lens [T] kv length after this forward."""
-        if self.ring_of is None or req_rows is None:
+    def write_windows(self, lid: int, k_pre, v, win_targets) -> None:
+        """Copy the kept tokens among [T] new ones (pre-RoPE keys k_pre, values v [T, H, d]) into
+        their exact-store entries (``win_targets`` of :meth:`window_targets`)."""
+        if win_targets is None:
             return
-        keep = self.in_window(positions, 0) if seq_lens is None else self._keep_mask(positions, seq_lens)
-        ring = self.ring_of[req_rows]
-        keep = keep & (ring > 0)
-        # no host sync: dropped tokens land in ring 0, which is never read (its positions stay -1)
-        rows, idx = torch.where(keep, ring, 0), self.window_index(positions)
-        self.win_k[lid][rows, idx] = k_pre.to(torch.bfloat16)
-        self.win_v[lid][rows, idx] = v.to(torch.bfloat16)
-        if lid == 0:
-            self.win_pos[rows, idx] = torch.where(keep, positions, -1)
-
-    def _keep_mask(self, positions, seq_lens):
-        cfg = self.tasq_config
-        return (positions < cfg.sink_window) | (positions >= seq_lens - cfg.recent_window)
+        ent = win_targets[0]
+        keep = ent > 0
+        if bool(keep.any()):
+            self.exact.k[lid][ent[keep]] = k_pre[keep].to(torch.bfloat16)
+            self.exact.v[lid][ent[keep]] = v[keep].to(torch.bfloat16)
 
     # ---- reads -----------------------------------------------------------------------------
-    def read_request(self, layer_id: int, slots: torch.Tensor, req_row: int, seq_len: int):
-        """One request's cache: slots [S] (positions 0..S-1) -> pre-RoPE keys, values [S, H, d] f32.
-
-        Codes are decoded with the reference codec; entries held in the request's window ring
-        (and inside the window of ``seq_len``) replace them in full precision.
-        """
+    def read_codes(self, layer_id: int, slots: torch.Tensor):
+        """slots [S] -> pre-RoPE keys, values [S, H, d] f32 decoded from their codes (reference codec)."""
         lid = layer_id - self.start_layer
-        S, H, d = slots.shape[0], self.head_num, self.head_dim
-        cfg, cb = self.tasq_config, self.codebooks
+        S, H = slots.shape[0], self.head_num
+        cfg = self.tasq_config
         krow = self.k_buffer[lid][slots]
         k_codes = self._unpack(krow[:, : self.code_bytes_k], H * self.gk, cfg.code_bits_k).view(S, H, self.gk)
         scale = None
@@ -274,16 +321,27 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             scale = torch.empty_like(sb, memory_format=torch.contiguous_format).copy_(sb).view(torch.float16)
             scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
         v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
-        k, v = self._decode(k_codes, scale, v_codes, layer_id)
-        ring = int(self.ring_of[req_row]) if self.ring_of is not None else 0
-        if ring:
-            req_row = ring
-            pos = torch.arange(S, device=slots.device)
-            idx = self.window_index(pos)
-            valid = self.in_window(pos, seq_len) & (self.win_pos[req_row, idx] == pos)
-            if bool(valid.any()):
-                k[valid] = self.win_k[lid][req_row, idx[valid]].float()
-                v[valid] = self.win_v[lid][req_row, idx[valid]].float()
+        return self._decode(k_codes, scale, v_codes, layer_id)
+
+    def read_exact(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use: torch.Tensor) -> None:
+        """Overwrite k, v [S, H, d] (pre-RoPE) with the exact entries of ``slots`` where ``use`` [S];
+        every used slot must hold an entry (checked: nothing the rule says is exact is read from codes)."""
+        if self.exact is None or not bool(use.any()):
+            return
+        lid = layer_id - self.start_layer
+        ent = self.exact.entry_of[slots[use]]
+        if not bool((ent > 0).all()):
+            raise RuntimeError(f"tasq: {int((ent == 0).sum())} window tokens have no full-precision entry")
+        k[use] = self.exact.k[lid][ent].float()
+        v[use] = self.exact.v[lid][ent].float()
+
+    def read_request(self, layer_id: int, slots: torch.Tensor, req_row: int, seq_len: int):
+        """One request's cache as a query at position ``seq_len - 1`` reads it: slots [S] (positions
+        0..S-1) -> pre-RoPE keys, values [S, H, d] f32 (codes decoded, window positions exact)."""
+        k, v = self.read_codes(layer_id, slots)
+        if self.exact is not None:
+            pos = torch.arange(slots.shape[0], device=slots.device)
+            self.read_exact(layer_id, slots, k, v, self.in_window(pos, seq_len))
         return k, v
 
     def _unpack(self, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -332,9 +390,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         return k, v
 
     def get_kv_size_bytes(self):
-        """(key bytes, value bytes) actually held, the window rings and their positions included."""
+        """(key bytes, value bytes) actually held, the exact window store included."""
         k, v = super().get_kv_size_bytes()
-        if self.win_k is not None:
-            k += sum(t.numel() * t.element_size() for t in self.win_k) + self.win_pos.numel() * 8
-            v += sum(t.numel() * t.element_size() for t in self.win_v)
+        if self.exact is not None:
+            k += self.exact.nbytes()
         return k, v

@@ -1,0 +1,170 @@
+"""The full-precision window rule, and the slot-keyed store that serves it in the SGLang pool.
+
+The rule (one definition; the pool, the kernels, the HF cache and the benches follow it): a
+query at position ``i`` reads the key/value at position ``j <= i`` at full precision iff
+
+    j < sink  or  j >= i + 1 - recent
+
+and from its codes otherwise. It depends on positions only, never on which request wrote a
+token, in how many chunks, or whether it came from the radix cache: so the same request gets
+the same answer cold, warm, chunked, batched or after a retraction. For a decode step at
+sequence length ``S`` the query sits at ``i = S - 1``: ``j < sink or j >= S - recent``.
+
+:class:`ExactStore` keeps the exact (bf16, pre-RoPE) copies keyed by **KV slot**, the unit
+SGLang shares through its radix cache: a slot's entry is shared with every request whose
+prefix holds that slot, exactly like its codes. Entries are made when a token is written
+inside the window of the forward that writes it, refreshed whenever a slot is rewritten (so a
+reused slot never serves an old token's values), pinned while a live request's window
+covers them, and otherwise kept in LRU order so that a later request matching the prefix
+finds its sink and the tail before its match boundary. A prefix match is only accepted up to
+the longest boundary whose window entries are all present (:func:`exact_prefix_limit`); the
+rest is recomputed, never read from codes.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def in_window(positions: torch.Tensor, seq_len, sink: int, recent: int) -> torch.Tensor:
+    """[T] bool: key positions read at full precision by a query at position ``seq_len - 1``
+    (``seq_len`` an int or a [T] tensor, the kv length the query sees)."""
+    return (positions < sink) | (positions >= seq_len - recent)
+
+
+def query_window(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """[Tq, S] bool: query at q_pos[i] reads key k_pos[j] exactly (causality not applied)."""
+    return (k_pos[None, :] < sink) | (k_pos[None, :] >= q_pos[:, None] + 1 - recent)
+
+
+def exact_prefix_limit(has_exact: torch.Tensor, sink: int, recent: int) -> int:
+    """Longest usable prefix ``P' <= P`` of a matched prefix of ``P`` tokens whose entry
+    presence is ``has_exact`` [P] bool: the first recomputed query sits at position ``P'`` and
+    needs the entries of ``j < min(sink, P')`` and of ``P' + 1 - recent <= j < P'``."""
+    P = int(has_exact.numel())
+    if P == 0:
+        return 0
+    miss = ~has_exact.to(torch.bool).cpu()
+    sink_miss = torch.nonzero(miss[: min(sink, P)])
+    if sink_miss.numel():
+        return int(sink_miss[0])
+    # missing positions past the sink: P' is valid iff none lies in [max(sink, P'+1-recent), P')
+    cs = torch.zeros(P + 1, dtype=torch.int64)
+    cs[1:] = torch.cumsum(miss.to(torch.int64), 0)
+    cand = torch.arange(P + 1)
+    lo = torch.clamp(cand + 1 - recent, min=min(sink, P)).clamp(max=P)
+    lo = torch.minimum(lo, cand)
+    ok = (cs[cand] - cs[lo]) == 0
+    return int(torch.nonzero(ok)[-1])
+
+
+class ExactStoreFull(RuntimeError):
+    """More window entries are pinned by live requests than the store holds."""
+
+
+class ExactStore:
+    """Exact bf16 K/V copies for ``num_entries`` KV slots, keyed by slot (entry 0 = none).
+
+    ``k[l]``, ``v[l]``: [E + 1, H, d] bf16 (keys pre-RoPE); ``entry_of`` [num_slots] int64 slot
+    -> entry; ``owner`` [E + 1] entry -> slot (-1 free); ``stamp`` [E + 1] the clock of last use.
+    Eviction (LRU, never a pinned entry or one used at the current clock) runs only when the
+    free list is empty.
+    """
+
+    def __init__(self, num_slots: int, num_entries: int, num_layers: int, num_heads: int, head_dim: int,
+                 device="cpu", dtype=torch.bfloat16):
+        E = int(num_entries)
+        self.capacity = E
+        self.k = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.entry_of = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.owner = torch.full((E + 1,), -1, dtype=torch.int64, device=device)
+        self.stamp = torch.zeros(E + 1, dtype=torch.int64, device=device)
+        self.clock = 1
+        self._free = torch.arange(E, 0, -1, dtype=torch.int64, device=device)  # pop from the end
+        self._nfree = E
+        self.evictions = 0
+
+    def nbytes(self) -> int:
+        t = sum(x.numel() * x.element_size() for x in self.k + self.v)
+        return t + sum(x.numel() * 8 for x in (self.entry_of, self.owner, self.stamp, self._free))
+
+    def tick(self) -> None:
+        self.clock += 1
+
+    def used(self) -> int:
+        return self.capacity - self._nfree
+
+    def lookup(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.entry_of[slots]
+
+    def touch(self, slots: torch.Tensor) -> None:
+        e = self.entry_of[slots]
+        self.stamp[e[e > 0]] = self.clock
+
+    def release_slots(self, slots: torch.Tensor) -> None:
+        """Drop the entries of ``slots`` (freed, or rewritten outside every window)."""
+        e = self.entry_of[slots]
+        e = e[e > 0]
+        if e.numel():
+            e = torch.unique(e)
+            self.entry_of[self.owner[e]] = 0
+            self.owner[e] = -1
+            self._push(e)
+        self.entry_of[slots] = 0
+
+    def assign(self, slots: torch.Tensor, keep: torch.Tensor, pinned=None) -> torch.Tensor:
+        """Entries for the new tokens at ``slots`` [T] (unique): a fresh or refreshed entry where
+        ``keep``, none (and any old one dropped) elsewhere -> entries [T] (0 = not kept).
+        ``pinned()`` -> slots that must not be evicted (called only when eviction is needed)."""
+        keep = keep.to(torch.bool)
+        if bool((~keep).any()):
+            self.release_slots(slots[~keep])
+        old = self.entry_of[slots]
+        need = keep & (old == 0)
+        n = int(need.sum())
+        if n:
+            if n > self._nfree:
+                self._evict(n - self._nfree, pinned, protect=slots[keep])
+            new = self._pop(n)
+            s = slots[need]
+            self.entry_of[s] = new
+            self.owner[new] = s
+        ent = torch.where(keep, self.entry_of[slots], torch.zeros_like(old))
+        self.stamp[ent[keep]] = self.clock
+        return ent
+
+    def _pop(self, n: int) -> torch.Tensor:
+        out = self._free[self._nfree - n: self._nfree].flip(0).clone()
+        self._nfree -= n
+        return out
+
+    def _push(self, e: torch.Tensor) -> None:
+        n = e.numel()
+        if self._nfree + n > self._free.numel():
+            raise RuntimeError("tasq: exact store free list overflow (an entry was released twice)")
+        self._free[self._nfree: self._nfree + n] = e
+        self._nfree += n
+
+    def _evict(self, n: int, pinned, protect: torch.Tensor) -> None:
+        E = self.capacity
+        used = self.owner[1:] >= 0
+        keep = torch.zeros(E + 1, dtype=torch.bool, device=self.owner.device)
+        pins = pinned() if pinned is not None else None
+        for s in (pins, protect):
+            if s is not None and s.numel():
+                e = self.entry_of[s]
+                keep[e[e > 0]] = True
+        keep |= self.stamp >= self.clock
+        cand = torch.nonzero(used & ~keep[1:]).flatten() + 1
+        if cand.numel() < n:
+            raise ExactStoreFull(
+                f"tasq: the full-precision window store ({E} entries) is full: {n} more needed, "
+                f"{cand.numel()} evictable; raise SGLANG_TASQ_WINDOW_ENTRIES or lower --max-running-requests")
+        # oldest first; evict a little more than needed so eviction does not run every step
+        take = min(cand.numel(), max(n, E // 16))
+        order = torch.argsort(self.stamp[cand], stable=True)
+        victims = cand[order[:take]]
+        self.entry_of[self.owner[victims]] = 0
+        self.owner[victims] = -1
+        self._push(victims)
+        self.evictions += int(take)

@@ -1,26 +1,36 @@
-"""CUDA path of the 'tasq' backend: Numba encode into the pool, split-K attention over a compact view.
+"""CUDA path of the 'tasq' backend: Numba encode into the pool, attention over the compressed cache.
 
 :class:`TaSQCudaAdapter` takes what the backend gets (q, k, v, layer, forward_batch, the
-pool, the backend's per-forward metadata) and runs ``numba_kernels.ops``:
+pool, the backend's per-forward metadata) and follows the one window rule of
+:mod:`sglang_tasq.windows` (a query at position ``i`` reads key ``j`` exactly iff
+``j < sink`` or ``j >= i + 1 - recent``, from its codes otherwise), as the CPU path does:
 
 - store: keys are un-rotated to pre-RoPE (as the CPU path does), ``encode_kv`` writes codes and
   scales into a scratch pool of ``T`` rows, the packed rows are copied to the slots
-  ``out_cache_loc`` (:meth:`TaSQTokenToKVPool.write_rows`) and the window tokens to the
-  request rings (:meth:`TaSQTokenToKVPool.write_windows`, no host sync);
-- attend: ``decode_attention`` (decode) or ``extend_attention`` (chunk exact, prefix from the
-  pool), with ``kv_indptr``/``kv_indices`` built on the device from ``req_to_token``.
+  ``out_cache_loc`` (:meth:`TaSQTokenToKVPool.write_rows`) and the window tokens into their
+  exact-store entries (``md["win_targets"]``, assigned once per forward by the backend;
+  one ``index_copy_`` per layer, no host sync);
+- decode: ``numba_kernels.ops.decode_attention`` over a compact view of the pool (below), with
+  ``kv_indptr``/``kv_indices`` built on the device from ``req_to_token``;
+- extend: the strict per-query rule in torch on the device (:meth:`_extend_request`, the same
+  computation as ``TaSQAttnBackend._attend`` with a chunk, with the codes decoded by this
+  adapter's device tables; ``_attend`` itself reads through ``pool.read_codes``, whose
+  codebooks live on the CPU). The ``extend_attention`` kernel attends a chunk exactly and its
+  prefix with windows over the prefix length (the rule of a query at the chunk's start), which
+  is not the rule for the chunk's later queries, so it is not used here.
 
-Layout reconciliation. The kernels read ``k_codes [S, Bk]``, ``k_scale fp16 [S]`` and, for the
-windows, ``k_full``/``v_full [S, H, d]`` indexed by the SAME slot id as the codes (shape checked
-against ``k_codes``). A pool-sized ``k_full`` would cost as much as a bf16 cache, so the pool
-keeps its per-request rings and its packed key row (codes ++ scale: SGLang's per-slot copies,
-e.g. ``get_cpu_copy``, keep moving a whole token). Per forward and layer the adapter builds a
-COMPACT view over the batch's kv tokens: row ``j`` of the view is the ``j``-th kv token of the
-batch (``kv_indices = arange``), codes/scales are gathered from the pool rows, and
-``k_full``/``v_full`` (uninitialised except on window rows) get, on every window row, the ring
-entry when the ring holds that position inside the window of the request's full length, else the
-decoded codes: exactly what the CPU path (:meth:`TaSQTokenToKVPool.read_request`) reads. The view
-is built for groups of requests of at most ``max_view_tokens`` kv tokens (memory bound).
+Layout reconciliation (decode). The kernels read ``k_codes [S, Bk]``, ``k_scale fp16 [S]`` and,
+for the windows, ``k_full``/``v_full [S, H, d]`` indexed by the SAME slot id as the codes
+(shape checked against ``k_codes``). A pool-sized ``k_full`` would cost as much as a bf16
+cache, so the pool keeps its slot-keyed exact store (``exact.k[l]``/``exact.v[l]``
+``[E + 1, H, d]``, ``exact.entry_of[slot]``) and its packed key row (codes ++ scale). Per
+forward and layer the adapter builds a COMPACT view over the batch's kv tokens: row ``j`` of
+the view is the ``j``-th kv token of the batch (``kv_indices = arange``), codes/scales are
+gathered from the pool rows, and ``k_full``/``v_full`` (uninitialised except on window rows)
+get, on every window row, the slot's exact entry when ``entry_of[slot] > 0`` and the position is
+inside the window of the request's length, else the decoded codes: exactly what the CPU path
+(:meth:`TaSQTokenToKVPool.read_request`) reads. The view is built for groups of requests of at
+most ``max_view_tokens`` kv tokens (memory bound).
 """
 from __future__ import annotations
 
@@ -30,9 +40,12 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
-from .rope import apply_rope
+from . import windows
+from .backend import _sdpa, _windowed_attention
+from .rope import apply_rope, cos_sin, rotate
 
 PLAN_KEY = "tasq_cuda_plan"
+ROPE_KEY = "tasq_cuda_rope"
 
 
 def _view_tokens() -> int:
@@ -75,7 +88,7 @@ class TaSQCudaAdapter:
         self.full_dtype = full_dtype
         self.max_view_tokens = max_view_tokens or _view_tokens()
         self.cfg = pool.tasq_config
-        self.windows = pool.ring_of is not None and (self.cfg.sink_window + self.cfg.recent_window) > 0
+        self.windows = pool.exact is not None and (self.cfg.sink_window + self.cfg.recent_window) > 0
         self._tables: dict = {}
 
     def tables(self, layer_id: int, device):
@@ -97,35 +110,37 @@ class TaSQCudaAdapter:
             self.store(layer, fb, k.reshape(-1, H, d), v.reshape(-1, H, d), md, tb)
         if not decode and (k is None or v is None):
             raise NotImplementedError("tasq: the CUDA extend path needs the chunk's k and v")
-        plan = md.get(PLAN_KEY)
-        if plan is None:
-            plan = md[PLAN_KEY] = self._plan(fb, md, q3.device, decode)
         out = torch.empty(q3.shape, dtype=torch.float32, device=q3.device)
         lid = layer.layer_id - self.pool.start_layer
+        if not decode:
+            kc, vc = k.reshape(-1, H, d), v.reshape(-1, H, d)
+            start = 0
+            for row, S, Tq in zip(md["req_rows"], md["seq_lens"], md["q_lens"]):
+                sl = slice(start, start + Tq)
+                if Tq:
+                    out[sl] = self._extend_request(q3[sl], kc[sl], vc[sl], lid, layer, tb, md, row, S)
+                start += Tq
+            return out
+        plan = md.get(PLAN_KEY)
+        if plan is None:
+            plan = md[PLAN_KEY] = self._plan(fb, md, q3.device)
         sink, recent = (self.cfg.sink_window, self.cfg.recent_window) if self.windows else (0, 0)
         for g in plan:
             view = self._view(lid, tb, g)
-            if decode:
-                self.ops.decode_attention(q3[g.b0:g.b1], *view[:3], g.kv_indptr, g.kv_indices, tb, layer.scaling,
-                                          *view[3:], sink=sink, recent=recent, out=out[g.b0:g.b1],
-                                          max_kv_len=g.max_n)
-            else:
-                rows = slice(g.q0, g.q1)
-                kc = k.reshape(-1, H, d)[rows].contiguous()
-                vc = v.reshape(-1, H, d)[rows].to(kc.dtype).contiguous()
-                self.ops.extend_attention(q3[rows], kc, vc, g.qo_indptr, *view[:3], g.kv_indptr, g.kv_indices,
-                                          tb, layer.scaling, *view[3:], sink=sink, recent=recent, out=out[rows])
+            self.ops.decode_attention(q3[g.b0:g.b1], *view[:3], g.kv_indptr, g.kv_indices, tb, layer.scaling,
+                                      *view[3:], sink=sink, recent=recent, out=out[g.b0:g.b1], max_kv_len=g.max_n)
         return out
 
     # ---- store -------------------------------------------------------------------------------
     def store(self, layer, fb, k, v, md, tb) -> None:
-        """Encode the new tokens k (post-RoPE), v [T, H, d] into slots ``fb.out_cache_loc``."""
+        """Encode the new tokens k (post-RoPE), v [T, H, d] into slots ``fb.out_cache_loc``; the
+        window tokens also into their exact-store entries (``md["win_targets"]``)."""
         loc, _, _ = unwrap_write_loc(fb.out_cache_loc)
         T = loc.shape[0]
         if T == 0:
             return
         lid = layer.layer_id - self.pool.start_layer
-        positions = fb.positions.to(torch.int64)
+        positions = md["positions"] if "positions" in md else fb.positions.to(torch.int64)
         k_pre = apply_rope(k, positions, tb.inv_freq, tb.attention_scaling, inverse=True).contiguous()
         v = v.contiguous()
         scratch = tb.allocate_pool(T, k.device)
@@ -133,32 +148,114 @@ class TaSQCudaAdapter:
                            scratch["k_codes"], scratch["v_codes"], scratch["k_scale"])
         scale = scratch["k_scale"] if self.cfg.scale != "none" else None
         self.pool.write_rows(lid, loc, scratch["k_codes"], scale, scratch["v_codes"])
-        self.pool.write_windows(lid, positions, k_pre, v, md["rows"], md["tok_seq_lens"])
+        wt = md.get("win_targets")
+        if self.windows and wt is not None:
+            # tokens outside every window (entry 0) all land on entry 0, the store's never-read
+            # "none" entry: one unmasked copy instead of a masked one (which would sync)
+            ent = wt[0].to(k.device, torch.int64)
+            ex = self.pool.exact
+            ex.k[lid].index_copy_(0, ent, k_pre.to(ex.k[lid].dtype))
+            ex.v[lid].index_copy_(0, ent, v.to(ex.v[lid].dtype))
 
-    # ---- per-forward plan --------------------------------------------------------------------
-    def _plan(self, fb, md, dev, decode: bool) -> list:
+    # ---- extend (strict per-query windows) ---------------------------------------------------
+    def _rope(self, md, n: int, device, tb):
+        """cos, sin [n, 1, d/2] of positions 0..n-1 (== the CPU path's table), once per forward."""
+        tab = md.get(ROPE_KEY)
+        if tab is None or tab[0].shape[0] < n:
+            m = max([n] + list(md.get("seq_lens", [])))
+            cos, sin = cos_sin(torch.arange(m, device=device), tb.inv_freq, tb.attention_scaling)
+            tab = md[ROPE_KEY] = (cos.float().unsqueeze(1), sin.float().unsqueeze(1))
+        return tab[0][:n], tab[1][:n]
+
+    def _decode_slots(self, lid: int, tb, slots: torch.Tensor):
+        """slots [S] -> pre-RoPE keys, values [S, H, d] f32 decoded from their codes (device tables)."""
+        pool, cfg = self.pool, self.cfg
+        H, Bk = pool.head_num, pool.code_bytes_k
+        krows = pool.k_buffer[lid].index_select(0, slots)
+        vrows = pool.v_buffer[lid].index_select(0, slots)
+        scale = None
+        if cfg.scale != "none":
+            scale = torch.empty_like(krows[:, Bk:], memory_format=torch.contiguous_format).copy_(krows[:, Bk:])
+            scale = scale.view(torch.float16)
+            scale = scale.reshape(-1) if cfg.scale == "shared" else scale.reshape(-1, H)
+        return self._decode_rows(krows[:, :Bk], vrows, scale, tb)
+
+    def _decode_rows(self, k_codes, v_codes, k_scale, tb):
+        """Packed rows (+ fp16 scales [n] / [n, H] or None) -> pre-RoPE k, v [n, H, d] f32."""
+        pool, cfg = self.pool, self.cfg
+        H = pool.head_num
+        kc = unpack_codes(k_codes, H * pool.gk, cfg.code_bits_k).view(-1, H, pool.gk)
+        vc = unpack_codes(v_codes, H * pool.gv, cfg.code_bits_v).view(-1, H, pool.gv)
+        kp = _codewords(kc, tb.k_cb)
+        if k_scale is not None:
+            s = k_scale.float()
+            kp = kp * (s[:, None, None] if s.dim() == 1 else s[:, :, None])
+        k_dec = torch.empty_like(kp).scatter_(2, tb.k_perm.long().unsqueeze(0).expand_as(kp), kp)
+        return k_dec, _codewords(vc, tb.v_cb)
+
+    def _extend_request(self, q, k_chunk, v_chunk, lid: int, layer, tb, md, row: int, S: int) -> torch.Tensor:
+        """One request's chunk: q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1, its k (post-RoPE),
+        v [Tq, H, d] -> [Tq, Hq, d] f32 by the window rule for every query (as
+        ``TaSQAttnBackend._attend`` with a chunk): query i reads key j exactly iff j < sink or
+        j >= i + 1 - recent (prefix keys from their exact entries, chunk keys from the chunk),
+        from the codes in the pool otherwise."""
+        Tq = q.shape[0]
+        P = S - Tq
+        dev = q.device
+        slots = self.req_to_token[row, :S].to(dev, torch.int64)
+        cos, sin = self._rope(md, S, dev, tb)
+        sink, recent = (self.cfg.sink_window, self.cfg.recent_window) if self.windows else (0, 0)
+        q_pos = torch.arange(P, S, device=dev)
+        k_pos = torch.arange(S, device=dev)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        ex = windows.query_window(q_pos, k_pos, sink, recent)  # [Tq, S] (no windows: all False)
+        if bool((ex | ~causal).all()):  # every key a query sees is in its window: exact attention
+            k_ex, v_ex = k_chunk.float(), v_chunk.float()
+            if P:
+                k_pre, v_pre = self._prefix_exact(lid, slots[:P])
+                k_ex = torch.cat([rotate(k_pre, cos[:P], sin[:P]), k_ex])
+                v_ex = torch.cat([v_pre, v_ex])
+            return _sdpa(q, k_ex, v_ex, layer.scaling)
+        k_dec, v_dec = self._decode_slots(lid, tb, slots)
+        k_ex, v_ex = k_dec, v_dec
+        if self.windows and P:
+            need = ex[:, :P].any(0)
+            ent = self.pool.exact.entry_of[slots[:P]]
+            use = (need & (ent > 0))[:, None, None]
+            kx, vx = self.pool.exact.k[lid][ent].float(), self.pool.exact.v[lid][ent].float()
+            k_ex = torch.cat([torch.where(use, kx, k_dec[:P]), k_dec[P:]])
+            v_ex = torch.cat([torch.where(use, vx, v_dec[:P]), v_dec[P:]])
+        k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
+        k_ex[P:] = k_chunk.float()
+        v_ex = v_ex.clone() if v_ex is v_dec else v_ex
+        v_ex[P:] = v_chunk.float()
+        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
+
+    def _prefix_exact(self, lid: int, slots: torch.Tensor):
+        """Exact pre-RoPE k, v [P, H, d] f32 of prefix slots that all lie in every query's window
+        (``begin_forward`` checked that their entries are present)."""
+        ex = self.pool.exact
+        ent = ex.entry_of[slots]
+        return ex.k[lid][ent].float(), ex.v[lid][ent].float()
+
+    # ---- per-forward plan (decode) -----------------------------------------------------------
+    def _plan(self, fb, md, dev) -> list:
         """Request groups with their kv index tensors (and window rows), shared by all layers."""
-        S, Tq = md["seq_lens"], md["q_lens"]
-        n = list(S) if decode else [s - t for s, t in zip(S, Tq)]
+        n = list(md["seq_lens"])
         seq_dev = fb.seq_lens.to(dev, torch.int64)
         rows_dev = fb.req_pool_indices.to(dev, torch.int64)
-        n_dev = seq_dev if decode else seq_dev - fb.extend_seq_lens.to(dev, torch.int64)
-        groups, b0, q0 = [], 0, 0
+        groups, b0 = [], 0
         while b0 < len(n):
             b1, tot = b0 + 1, n[b0]
             while b1 < len(n) and tot + n[b1] <= self.max_view_tokens:
                 tot, b1 = tot + n[b1], b1 + 1
-            q1 = q0 + sum(Tq[b0:b1])
-            g = self._group(rows_dev[b0:b1], n_dev[b0:b1], seq_dev[b0:b1], n[b0:b1], tot, dev)
-            g.b0, g.b1, g.q0, g.q1 = b0, b1, q0, q1
-            if not decode:
-                qo = torch.tensor([0] + Tq[b0:b1], dtype=torch.int64).cumsum(0)
-                g.qo_indptr = qo.to(torch.int32).to(dev)
+            g = self._group(rows_dev[b0:b1], seq_dev[b0:b1], n[b0:b1], tot, dev)
+            g.b0, g.b1 = b0, b1
             groups.append(g)
-            b0, q0 = b1, q1
+            b0 = b1
         return groups
 
-    def _group(self, rows, n_dev, seq_dev, n_host, tot, dev) -> SimpleNamespace:
+    def _group(self, rows, n_dev, n_host, tot, dev) -> SimpleNamespace:
         ptr, owner, off = _ragged(n_dev, tot)
         slots = self.req_to_token[rows[owner], off].to(torch.int64)
         g = SimpleNamespace(
@@ -175,14 +272,13 @@ class TaSQCudaAdapter:
             tw = sum(min(m, sink) + min(recent, m - min(m, sink)) for m in n_host)
             _, wown, woff = _ragged(count, tw)
             pos = torch.where(woff < n_sink[wown], woff, n_dev[wown] - (count[wown] - woff))
-            ring = self.pool.ring_of[rows[wown]]
-            idx = self.pool.window_index(pos)
-            held = (ring > 0) & (self.pool.win_pos[ring, idx] == pos)
-            valid = held & self.pool.in_window(pos, seq_dev[wown])
-            g.win = SimpleNamespace(crow=ptr[wown] + pos, ring=ring, idx=idx, valid=valid[:, None, None])
+            slot = self.req_to_token[rows[wown], pos].to(torch.int64)
+            ent = self.pool.exact.entry_of[slot]
+            valid = (ent > 0) & self.pool.in_window(pos, n_dev[wown])
+            g.win = SimpleNamespace(crow=ptr[wown] + pos, ent=ent, valid=valid[:, None, None])
         return g
 
-    # ---- per-layer compact view --------------------------------------------------------------
+    # ---- per-layer compact view (decode) -----------------------------------------------------
     def _view(self, lid: int, tb, g):
         """(k_codes, v_codes, k_scale, k_full, v_full) of group g in layer lid, rows = kv order."""
         pool, cfg = self.pool, self.cfg
@@ -199,16 +295,11 @@ class TaSQCudaAdapter:
         if g.win is None:
             return k_codes, v_codes, k_scale, None, None
         w = g.win
-        kc = unpack_codes(k_codes[w.crow], H * pool.gk, cfg.code_bits_k).view(-1, H, pool.gk)
-        vc = unpack_codes(v_codes[w.crow], H * pool.gv, cfg.code_bits_v).view(-1, H, pool.gv)
-        kp = _codewords(kc, tb.k_cb)
-        if cfg.scale != "none":
-            s = k_scale[w.crow].float()
-            kp = kp * (s[:, None, None] if s.dim() == 1 else s[:, :, None])
-        k_dec = torch.empty_like(kp).scatter_(2, tb.k_perm.long().unsqueeze(0).expand_as(kp), kp)
-        v_dec = _codewords(vc, tb.v_cb)
+        k_dec, v_dec = self._decode_rows(k_codes[w.crow], v_codes[w.crow],
+                                         k_scale[w.crow] if cfg.scale != "none" else None, tb)
         k_full = torch.empty(rows, H, d, dtype=self.full_dtype, device=krows.device)
         v_full = torch.empty(rows, H, d, dtype=self.full_dtype, device=krows.device)
-        k_full[w.crow] = torch.where(w.valid, pool.win_k[lid][w.ring, w.idx].float(), k_dec).to(self.full_dtype)
-        v_full[w.crow] = torch.where(w.valid, pool.win_v[lid][w.ring, w.idx].float(), v_dec).to(self.full_dtype)
+        ex = pool.exact
+        k_full[w.crow] = torch.where(w.valid, ex.k[lid][w.ent].float(), k_dec).to(self.full_dtype)
+        v_full[w.crow] = torch.where(w.valid, ex.v[lid][w.ent].float(), v_dec).to(self.full_dtype)
         return k_codes, v_codes, k_scale, k_full, v_full

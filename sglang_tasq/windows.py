@@ -159,7 +159,7 @@ class ExactStore:
         if cand.numel() < n:
             raise ExactStoreFull(
                 f"tasq: the full-precision window store ({E} entries) is full: {n} more needed, "
-                f"{cand.numel()} evictable; raise SGLANG_TASQ_WINDOW_ENTRIES or lower --max-running-requests")
+                f"{cand.numel()} evictable; raise SGLANG_TASQ_WINDOW_ROWS or lower --max-running-requests")
         # oldest first; evict a little more than needed so eviction does not run every step
         take = min(cand.numel(), max(n, E // 16))
         order = torch.argsort(self.stamp[cand], stable=True)

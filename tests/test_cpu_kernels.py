@@ -10,6 +10,7 @@ from sglang_tasq import codec
 from sglang_tasq.config import TaSQConfig
 from sglang_tasq.rope import cos_sin
 from sglang_tasq.testing import random_codebooks
+from sglang_tasq.windows import in_window
 
 
 def _distances(x, codebook):
@@ -101,12 +102,21 @@ def test_pack_refuses_out_of_range_and_bad_rows():
 
 
 def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
-    """Random packed pool rows for requests of the given lengths, their slots, and windows."""
+    """Random packed pool rows for requests of the given lengths, their slots, and an exact store.
+
+    Request 1 starts on request 0's first 3 slots (a radix-shared prefix: its codes and entries
+    are the slots'). With windows, ``win = (entry_of [rows], win_k, win_v [E + 1, H, d] bf16)``:
+    a slot holds an entry where some request holding it has the position inside its window or
+    up to 2 positions before it (stale entries: read from codes), except every 7th such slot
+    (absent: codes even inside the window) and the slots of every third request (none at all)."""
     cb = random_codebooks(1, H, d, cfg, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     total = sum(seq_lens)
     rows = total + 7
     slots = torch.randperm(rows - 1, generator=gen)[:total] + 1  # slot 0 unused, scattered slots
+    starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
+    if len(seq_lens) > 1 and min(seq_lens[:2]) >= 3:
+        slots[starts[1]:starts[1] + 3] = slots[:3]
     k_pre = torch.randn(total, H, d, generator=gen)
     v = torch.randn(total, H, d, generator=gen)
     x, scale = codec.key_tailor(k_pre, cb, 0)
@@ -119,30 +129,33 @@ def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
         krow = torch.cat([krow, scale.reshape(total, -1).contiguous().view(torch.uint8)], 1)
     k_rows = torch.zeros(rows, krow.shape[1], dtype=torch.uint8)
     v_rows = torch.zeros(rows, codec.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
-    k_rows[slots] = krow
+    k_rows[slots] = krow  # a shared slot holds the codes of its last writer
     v_rows[slots] = codec.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
     B = len(seq_lens)
-    W = cfg.sink_window + cfg.recent_window
     win = None
-    if windows:  # ring b + 1 for request b (ring 0: none), except every third request
-        rings = torch.tensor([0 if b % 3 == 2 else b + 1 for b in range(B)])
-        wk = torch.randn(B + 1, W, H, d, generator=gen).to(torch.bfloat16)
-        wv = torch.randn(B + 1, W, H, d, generator=gen).to(torch.bfloat16)
-        wp = torch.full((B + 1, W), -1, dtype=torch.int64)
+    if windows:
+        sink, recent = cfg.sink_window, cfg.recent_window
+        keep = []
         for b, S in enumerate(seq_lens):
+            if b % 3 == 2:
+                continue
             for p in range(S):
-                if not rings[b]:
-                    continue
-                if p < cfg.sink_window:
-                    wp[b + 1, p] = p
-                elif cfg.recent_window and p >= S - cfg.recent_window - 2:  # incl. stale entries
-                    wp[b + 1, cfg.sink_window + p % cfg.recent_window] = p
-        win = (rings, wk, wv, wp)
+                s = int(slots[starts[b] + p])
+                if (p < sink or (recent and p >= S - recent - 2)) and s % 7 and s not in keep:
+                    keep.append(s)
+        E = len(keep) + 3  # spare entries: the store is not full
+        entry_of = torch.zeros(rows, dtype=torch.int64)
+        entry_of[torch.tensor(keep, dtype=torch.int64)] = torch.randperm(E, generator=gen)[:len(keep)] + 1
+        wk = torch.randn(E + 1, H, d, generator=gen).to(torch.bfloat16)
+        wv = torch.randn(E + 1, H, d, generator=gen).to(torch.bfloat16)
+        win = (entry_of, wk, wv)
     q = torch.randn(B, Hq, d, generator=gen)
     return cb, kb, k_rows, v_rows, slots, q, win
 
 
 def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale):
+    """Plain-torch codec per request; position t of a request of length S reads its slot's
+    entry iff t < sink or t >= S - recent and the slot holds one."""
     Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
     outs, beg = [], 0
     for b, S in enumerate(seq_lens):
@@ -161,13 +174,10 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
         pos = torch.arange(S)
         kw = vw = mask = None
         if win is not None:
-            rings, wk, wv, wp = win
-            ring = int(rings[b])
-            sink, recent = cfg.sink_window, cfg.recent_window
-            idx = torch.where(pos < sink, pos, sink + (pos % recent if recent else 0)).clamp(max=wp.shape[1] - 1)
-            inw = (pos < sink) | (pos >= S - recent)
-            mask = inw & (wp[ring, idx] == pos) & (ring > 0)
-            kw, vw = wk[ring, idx], wv[ring, idx]
+            entry_of, wk, wv = win
+            ent = entry_of[sl]
+            mask = in_window(pos, S, cfg.sink_window, cfg.recent_window) & (ent > 0)
+            kw, vw = wk[ent], wv[ent]
         o = codec.attention_over_codes(q[b:b + 1], torch.tensor([S - 1]), kc, scale, vc, pos, cb, 0, sm_scale,
                                        k_full=kw, v_full=vw, full_mask=mask)
         outs.append(o[0])
@@ -176,24 +186,37 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
 
 @pytest.mark.parametrize("split_tokens", [None, 1, 3, 7, 40])  # None: cpu.SPLIT_TOKENS
 @pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
-    ("shared", True, 3, 9, 16, [1, 5, 97, 0, 40]),
-    ("per_head", False, 2, 2, 8, [3, 64]),
-    ("none", True, 1, 4, 32, [70, 2, 33]),
-    ("shared", True, 1, 3, 16, [300]),  # one request: split-K is what fills the threads
+    ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40]),
+    ("per_head", None, 2, 2, 8, [3, 64]),
+    ("none", (4, 8), 1, 4, 32, [70, 2, 33]),
+    ("shared", (4, 8), 1, 3, 16, [300]),  # one request: split-K is what fills the threads
+    ("per_head", (0, 5), 2, 4, 16, [20, 9, 12]),  # recent only
+    ("shared", (3, 0), 2, 4, 16, [20, 2, 7]),  # sink only
 ])
 def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, split_tokens):
-    """Split-K (splits past a short request's end are empty) merges to the unsplit answer."""
+    """Split-K (splits past a short request's end are empty) merges to the unsplit answer;
+    window tokens come from their slots' entries, everything else (stale or absent entries
+    included) from codes."""
+    sink, recent = windows or (0, 0)
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
-                     sink_window=4 if windows else 0, recent_window=8 if windows else 0)
-    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 11, windows)
+                     sink_window=sink, recent_window=recent)
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 11, windows is not None)
     sm_scale = d ** -0.5
     ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale)
     indptr = torch.tensor([0] + seq_lens).cumsum(0)
     cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
-    rings, wk, wv, wp = win if win is not None else (None, None, None, None)
+    entry_of, wk, wv = win if win is not None else (None, None, None)
     got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
-                               sm_scale, rings, wk, wv, wp, split_tokens=split_tokens)
+                               sm_scale, entry_of, wk, wv, split_tokens=split_tokens)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    if win is not None and split_tokens is None:
+        # the windows matter: codes alone give another answer, and so do [E + 1, 1, H, d] views
+        # of the same entries (the pool's layout) give the same one
+        alone = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, None, H, d, sm_scale)
+        assert float((alone - ref).abs().max()) > 1e-3
+        got4 = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
+                                    sm_scale, entry_of, wk.unsqueeze(1), wv.unsqueeze(1))
+        assert torch.equal(got4, got)
 
 
 def test_decode_tables_share_the_encoder_arrays_and_fall_back_on_zero_weights():
@@ -207,17 +230,50 @@ def test_decode_tables_share_the_encoder_arrays_and_fall_back_on_zero_weights():
     tab = cpu.DecodeTables(cb, 0, enc.prepared(0))
     assert np.shares_memory(tab.kcb, enc.prepared(0)[0][2]) and np.shares_memory(tab.vcb, enc.prepared(0)[1][2])
     cos, sin = cos_sin(torch.arange(60), cb.inv_freq, cb.attention_scaling)
-    rings, wk, wv, wp = win
+    entry_of, wk, wv = win
     indptr = torch.tensor([0] + seq_lens).cumsum(0)
     ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
-    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, tab, cfg, kb, cos, sin, 0.25, rings, wk, wv, wp)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, tab, cfg, kb, cos, sin, 0.25, entry_of, wk, wv)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
     cb.k_weight[0, 1, 3] = 0.0
     raw = cpu.DecodeTables(cb, 0)
     assert np.all(raw.kw == 1) and np.array_equal(raw.kcb, cb.k_codebook[0].numpy())
     ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
-    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, raw, cfg, kb, cos, sin, 0.25, rings, wk, wv, wp)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, raw, cfg, kb, cos, sin, 0.25, entry_of, wk, wv)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_plan_reads_entries_through_a_view():
+    """A plan is built once per forward, before the step's window entries are assigned: it
+    reads ``entry_of`` (and the entries) through views, so later assignments are seen; a
+    non-int64 or non-contiguous ``entry_of`` is refused."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=2, recent_window=4)
+    seq_lens = [30, 9]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 2, 4, 16, seq_lens, 8, True)
+    entry_of, wk, wv = win
+    cos, sin = cos_sin(torch.arange(40), cb.inv_freq, cb.attention_scaling)
+    tab = cpu.DecodeTables(cb, 0)
+    live = torch.zeros_like(entry_of)
+    wk4, wv4 = torch.zeros_like(wk).unsqueeze(1), torch.zeros_like(wv).unsqueeze(1)
+    plan = cpu.DecodePlan(torch.tensor([0] + seq_lens).cumsum(0), slots, cfg, kb, 4, 2, 16, cos, sin, live)
+    none = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4)
+    torch.testing.assert_close(none, _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, None, 2, 16, 0.25),
+                               rtol=2e-5, atol=2e-5)
+    live.copy_(entry_of)
+    wk4.copy_(wk.unsqueeze(1))
+    wv4.copy_(wv.unsqueeze(1))
+    got = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4)
+    torch.testing.assert_close(got, _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25),
+                               rtol=2e-5, atol=2e-5)
+    from sglang_tasq.fastpath import u16_view
+
+    assert torch.equal(plan(q, k_rows.numpy(), v_rows.numpy(), tab, 0.25, u16_view(wk4), u16_view(wv4)), got)
+    for bad in (entry_of.to(torch.int32), torch.stack([entry_of, entry_of], 1)[:, 0]):
+        with pytest.raises(TypeError, match="entry_of"):
+            cpu.DecodePlan(torch.tensor([0] + seq_lens).cumsum(0), slots, cfg, kb, 4, 2, 16, cos, sin, bad)
+    with pytest.raises(TypeError, match="bfloat16"):
+        plan(q, k_rows, v_rows, tab, 0.25, wk4.float(), wv4.float())
 
 
 def test_decode_attention_is_batch_invariant():
@@ -227,7 +283,7 @@ def test_decode_attention_is_batch_invariant():
                      sink_window=4, recent_window=8)
     seq_lens = [700, 90, 1, 300]
     cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 3, 9, 16, seq_lens, 5, True)
-    rings, wk, wv, wp = win
+    entry_of, wk, wv = win
     cos, sin = cos_sin(torch.arange(800), cb.inv_freq, cb.attention_scaling)
     tab = cpu.DecodeTables(cb, 0)
     starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
@@ -236,7 +292,7 @@ def test_decode_attention_is_batch_invariant():
         lens = [seq_lens[i] for i in sel]
         idx = torch.cat([slots[starts[i]:starts[i + 1]] for i in sel])
         return cpu.decode_attention(q[sel], k_rows, v_rows, torch.tensor([0] + lens).cumsum(0), idx, tab, cfg, kb,
-                                    cos, sin, 0.25, rings[sel], wk, wv, wp, split_tokens=128)
+                                    cos, sin, 0.25, entry_of, wk, wv, split_tokens=128)
 
     full = run([0, 1, 2, 3])
     for i in range(4):
@@ -251,28 +307,58 @@ def test_decode_attention_refuses_dense_weighting():
         cpu.DecodeTables(cb, 0)
 
 
-def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
-    """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
-    requests, a radix-shared prefix outside the sharer's ring, a request without a ring."""
+def _tasq_pools(monkeypatch, window_rows: int, n: int = 2, req_rows: int | None = None):
+    """``n`` real TaSQTokenToKVPools (96 slots, 2 layers, 2 KV heads of 16, sink 2, recent 3)
+    sized for ``window_rows`` running requests, and (with ``req_rows``) one ReqToTokenPool
+    with that many rows, not yet attached to any pool."""
     import types
 
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_tasq import pool as pool_mod
+
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
+    cb = random_codebooks(2, 2, 16, cfg, seed=3)
+    cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
+    monkeypatch.setattr(pool_mod, "runtime_artifact", lambda: types.SimpleNamespace(codebooks=cb, config=cfg))
+    monkeypatch.setenv("SGLANG_TASQ_WINDOW_ROWS", str(window_rows))
+    pools = [pool_mod.TaSQTokenToKVPool(size=96, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16,
+                                        layer_num=2, device="cpu", enable_memory_saver=False) for _ in range(n)]
+    for pool in pools:
+        assert pool.exact.capacity == window_rows * (2 + 2 * 3)
+    r2t = None
+    if req_rows is not None:
+        r2t = ReqToTokenPool(size=req_rows, max_context_len=64, device="cpu", enable_memory_saver=False)
+    return pools, r2t
+
+
+def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(monkeypatch):
+    """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
+    requests, a radix-shared prefix (its sink and tail read from the entries its first writer
+    made), entries gone stale outside the window or evicted (LRU, the store is sized to its
+    limit) read from codes, in-window tokens from their entries."""
+    import types
+
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from test_serve_cuda import Batch, _setup
 
     from sglang_tasq.backend import TaSQAttnBackend
 
-    (pool, _), (be_k, _) = _setup("2")
-    runner = types.SimpleNamespace(device="cpu", req_to_token_pool=be_k.req_to_token_pool, token_to_kv_pool=pool)
-    be_t = TaSQAttnBackend(runner)
+    (pool,), r2t_pool = _tasq_pools(monkeypatch, window_rows=3, n=1, req_rows=3)
+    runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t_pool, token_to_kv_pool=pool)
+    be_k, be_t = TaSQAttnBackend(runner), TaSQAttnBackend(runner)  # one pool, one request table
     be_t._decode_kernel = False
     assert be_k._decode_kernel
-    rows = be_k.req_to_token_pool.alloc_rows(3)
+    too_many = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    with pytest.raises(RuntimeError, match="4 request rows need 32 full-precision window entries, the store holds 24"):
+        pool.attach_request_rows(too_many)  # more rows than the store holds windows for
+    rows = r2t_pool.alloc_rows(3)
     layers = [types.SimpleNamespace(layer_id=i, tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=16, v_head_dim=16,
                                     scaling=0.25) for i in range(2)]
     gen = torch.Generator().manual_seed(5)
     free = torch.randperm(95, generator=gen) + 1
-    r2t = be_k.req_to_token_pool.req_to_token
-    lens, used, worst, decodes = [0, 4, 0], 0, 0.0, 0
+    r2t = r2t_pool.req_to_token
+    lens, used, worst, decodes, windows_matter = [0, 8, 0], 0, 0.0, 0, 0.0
     steps = [("extend", {0: 9, 2: 4}), ("extend", {0: 3, 1: 2, 2: 1})] + [("decode", {0: 1, 1: 1, 2: 1})] * 4
     for mode, batch in steps:
         new = list(batch.values())
@@ -280,23 +366,29 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
         used += sum(new)
         pos, off = [], 0
         for b, t in batch.items():
-            if b == 1 and lens[1] == 4:
-                r2t[rows[1], :4] = r2t[rows[0], :4]
+            if b == 1 and lens[1] == 8:  # request 1 matches request 0's first 8 tokens in the radix cache
+                shared = r2t[rows[0], :9].to(torch.int64)
+                assert pool.valid_prefix(shared[:4]) == 2  # positions 2, 3 were never exact: cut there
+                assert pool.valid_prefix(shared[:8]) == 8  # sink 0, 1 and tail 6, 7 are exact
+                r2t[rows[1], :8] = r2t[rows[0], :8]
             r2t[rows[b], lens[b]:lens[b] + t] = loc[off:off + t].to(torch.int32)
             pos += list(range(lens[b], lens[b] + t))
             off += t
         prefix = [lens[b] for b in batch]
         for b, t in batch.items():
             lens[b] += t
-        fb = Batch(req_pool_indices=torch.tensor([rows[b] for b in batch]),
-                   seq_lens=torch.tensor([lens[b] for b in batch], dtype=torch.int32),
-                   extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
-                   extend_seq_lens=torch.tensor(new, dtype=torch.int32), positions=torch.tensor(pos),
-                   out_cache_loc=loc.clone(),
-                   forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
+        fb = types.SimpleNamespace(req_pool_indices=torch.tensor([rows[b] for b in batch]),
+                                   seq_lens=torch.tensor([lens[b] for b in batch], dtype=torch.int32),
+                                   extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+                                   extend_seq_lens=torch.tensor(new, dtype=torch.int32), positions=torch.tensor(pos),
+                                   out_cache_loc=loc.clone(),
+                                   forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
+        # one forward, one window assignment: be_t reads what be_k's metadata pinned and assigned
+        # (a second init_forward_metadata would tick the store's clock and assign again)
         be_k.init_forward_metadata(fb)
-        be_t.init_forward_metadata(fb)
-        assert ("kv_indices" in be_k.forward_metadata) == (mode == "decode")
+        md = be_k.forward_metadata
+        assert ("kv_indices" in md) == (mode == "decode")
+        be_t.forward_metadata = {k: v for k, v in md.items() if k not in ("kv_indptr", "kv_indices", "plan")}
         for layer in layers:
             N = sum(new)
             q = torch.randn(N, 64, generator=gen)
@@ -304,26 +396,45 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
             got = be_k._forward(q, k, v, layer, fb, save_kv_cache=True)
             want = be_t._forward(q, k, v, layer, fb, save_kv_cache=False)
             worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-            decodes += mode == "decode"
+            if mode == "decode":
+                decodes += 1
+                # every in-window token of every request has its entry (the torch path checks it),
+                # and reading them matters: the same kernel over codes alone differs
+                lid = layer.layer_id
+                codes_only = cpu.decode_attention(
+                    q.view(-1, 4, 16), pool.k_buffer[lid], pool.v_buffer[lid], md["kv_indptr"], md["kv_indices"],
+                    be_k._decode_tables[lid] if lid in be_k._decode_tables else cpu.DecodeTables(pool.codebooks, lid),
+                    pool.tasq_config, pool.code_bytes_k, *(t.squeeze(1) for t in be_k._cos_sin(max(lens), "cpu")),
+                    0.25)
+                windows_matter = max(windows_matter, float((codes_only - got.view(-1, 4, 16)).abs().max()))
     assert decodes == 8
     assert worst < 1e-5, worst
+    assert windows_matter > 1e-2, windows_matter
+    # the store ran full: old entries outside every window were evicted, and after every step
+    # the slots of the requests' windows hold entries, the rest of their slots may not
+    assert pool.exact.evictions > 0
+    assert pool.exact.used() <= pool.exact.capacity
+    for b, S in enumerate(lens):
+        sl = r2t[rows[b], :S].to(torch.int64)
+        inw = pool.in_window(torch.arange(S), S)
+        assert bool((pool.exact.entry_of[sl[inw]] > 0).all())
+    gone = [int(s) for b, S in enumerate(lens) for s in r2t[rows[b], :S] if not int(pool.exact.entry_of[int(s)])]
+    assert gone  # some slots outside the windows (positions 2..5 of request 0 at least) read codes
 
 
-def test_pool_encoder_writes_what_the_reference_path_writes():
-    """Fused Numba encode (un-rotate, tailor, scale, nearest, pack, window rings) vs the pool's
-    plain-torch path, token by token, on two real TaSQTokenToKVPools."""
+def test_pool_encoder_writes_what_the_reference_path_writes(monkeypatch):
+    """Fused Numba encode (un-rotate, tailor, scale, nearest, pack, exact window entries) vs the
+    pool's plain-torch path, token by token, on two real TaSQTokenToKVPools."""
     import types
 
-    from test_serve_cuda import _setup
-
-    (pool_n, pool_t), _ = _setup("2")
+    (pool_n, pool_t), _ = _tasq_pools(monkeypatch, window_rows=2)
     assert pool_n._encoder is not None
     pool_t._encoder = None
     layer = types.SimpleNamespace(layer_id=1)
     gen = torch.Generator().manual_seed(9)
-    for pool in (pool_n, pool_t):  # request rows 0, 1 bound to rings 1 and 2, row 2 without a ring
-        pool.ring_of[:3] = torch.tensor([1, 2, 0])
     T = 70
+    # three requests' tokens: 0..39 of 40 (sink 0, 1 and 37..39 kept), 1000..1019 of 1020
+    # (1017..1019 kept), 3..12 of 13 (10..12 kept; the rest outside every window: no entry)
     positions = torch.cat([torch.arange(40), torch.arange(1000, 1020), torch.arange(3, 13)])
     req_rows = torch.cat([torch.zeros(40), torch.ones(20), torch.full((10,), 2)]).long()
     seq_lens = torch.cat([torch.full((40,), 40), torch.full((20,), 1020), torch.full((10,), 13)])
@@ -337,57 +448,85 @@ def test_pool_encoder_writes_what_the_reference_path_writes():
     assert same_rows >= 0.95, same_rows  # a row differs only on a float near-tie (or scale rounding)
     assert torch.equal(kb[:, -2:], vb[:, -2:]) or (kb[:, -2:] != vb[:, -2:]).any(1).sum() <= 1  # fp16 scales
     assert (pool_n.v_buffer[1][loc] == pool_t.v_buffer[1][loc]).all(1).float().mean().item() >= 0.95
-    # ring 0 is the reference path's never-read dump for dropped tokens: compare the real rings
-    assert torch.equal(pool_n.win_k[1][1:], pool_t.win_k[1][1:]) and torch.equal(pool_n.win_v[1][1:], pool_t.win_v[1][1:])
-    assert bool((pool_n.win_k[1][1:] != 0).any())
-    # single-token (serial kernels) writes, as in decode
+    kept = pool_n.in_window(positions, seq_lens)
+    assert int(kept.sum()) == 11 and pool_n.exact.used() == pool_t.exact.used() == 11
+    assert torch.equal(pool_n.exact.entry_of, pool_t.exact.entry_of)
+    assert bool((pool_n.exact.entry_of[loc[kept]] > 0).all()) and bool((pool_n.exact.entry_of[loc[~kept]] == 0).all())
+    # the entries (entry 0, "none", included: neither path writes it) hold the same bf16 bits
+    assert torch.equal(pool_n.exact.k[1], pool_t.exact.k[1]) and torch.equal(pool_n.exact.v[1], pool_t.exact.v[1])
+    assert bool((pool_n.exact.k[1][1:12] != 0).any()) and not bool(pool_n.exact.k[1][0].any())
+    # ... the un-rotated keys and the values of the kept tokens
+    from sglang_tasq.rope import apply_rope
+
+    cb = pool_t.codebooks
+    k_pre = apply_rope(k.view(T, 2, 16).float(), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
+    ent = pool_t.exact.entry_of[loc[kept]]
+    torch.testing.assert_close(pool_t.exact.k[1][ent].float(), k_pre[kept], rtol=1e-2, atol=1e-2)
+    assert torch.equal(pool_t.exact.v[1][ent], v.view(T, 2, 16)[kept])
+    # single-token (serial kernels) writes, as in decode; each is its own forward's first layer
     for i in range(3):
         one = slice(i, i + 1)
         for pool in (pool_n, pool_t):
             pool.set_kv_buffer(types.SimpleNamespace(layer_id=0), loc[one], k[one], v[one], positions=positions[one],
                                req_rows=req_rows[one], seq_lens=seq_lens[one])
-    assert torch.equal(pool_n.win_pos, pool_t.win_pos)
+    assert torch.equal(pool_n.exact.entry_of, pool_t.exact.entry_of)
     assert torch.equal(pool_n.k_buffer[0][loc[:3]], pool_t.k_buffer[0][loc[:3]])
+    assert torch.equal(pool_n.exact.k[0], pool_t.exact.k[0]) and torch.equal(pool_n.exact.v[0], pool_t.exact.v[0])
+    # a slot rewritten outside the window drops its entry (the token it held is gone); one
+    # rewritten inside keeps its entry with the new token's values
+    e0, e39 = int(pool_n.exact.entry_of[loc[0]]), int(pool_n.exact.entry_of[loc[39]])
+    assert e0 and e39
+    for pool in (pool_n, pool_t):
+        pool.set_kv_buffer(layer, loc[[0, 39]], k[[5, 6]], v[[5, 6]], positions=torch.tensor([20, 41]),
+                           req_rows=torch.tensor([0, 0]), seq_lens=torch.tensor([42, 42]))
+        assert int(pool.exact.entry_of[loc[0]]) == 0 and int(pool.exact.entry_of[loc[39]]) == e39
+        assert int(pool.exact.owner[e0]) == -1 and pool.exact.used() == 10
+    assert torch.equal(pool_n.exact.k[1][e39], pool_t.exact.k[1][e39])
+    assert torch.equal(pool_n.exact.v[1][e39], v.view(T, 2, 16)[6])
 
 
-def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
+def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite(monkeypatch):
     """A decode step's few tokens go through one call (``_encode_small``): the same
-    rows and rings as the batched kernels (forced by running the same tokens padded past
-    the serial threshold), and a non-finite key or value writes nothing and returns False."""
+    rows and exact entries as the batched kernels (forced by running the same tokens padded
+    past the serial threshold), and a non-finite key or value writes nothing and returns False."""
     import types
 
-    from numba_kernels import cpu
-    from test_serve_cuda import _setup
-
-    (pool_a, pool_b), _ = _setup("2")
-    for pool in (pool_a, pool_b):
-        pool.ring_of[:3] = torch.tensor([1, 2, 0])
+    (pool_a, pool_b), _ = _tasq_pools(monkeypatch, window_rows=2)
     gen = torch.Generator().manual_seed(4)
     T, pad = 5, cpu._SERIAL_BELOW
     positions = torch.tensor([7, 300, 301, 2, 1019])
-    wr = torch.tensor([1, 2, 2, 0, 1])
-    wi = pool_a.window_index(positions)
     loc = torch.tensor([3, 9, 4, 60, 22])
+    keep = torch.tensor([True, True, True, False, True])  # slot 60's token is outside its window
+    wr = pool_a.exact.assign(loc, keep)
+    assert torch.equal(pool_b.exact.assign(loc, keep), wr) and bool((wr[keep] > 0).all()) and int(wr[3]) == 0
     k = (torch.randn(T + pad, 2, 16, generator=gen) * 3).to(torch.bfloat16)
     v = torch.randn(T + pad, 2, 16, generator=gen).to(torch.bfloat16)
     cos, sin = pool_a.rope_table(2048)
-    args = lambda pool, n: (k[:n], v[:n], torch.cat([positions, torch.zeros(n - T, dtype=torch.int64)]), cos, sin,
-                            torch.cat([loc, torch.full((n - T,), 90)]), pool.k_buffer[1], pool.v_buffer[1],
-                            pool.code_bytes_k, torch.cat([wr, torch.zeros(n - T, dtype=torch.int64)]),
-                            torch.cat([wi, torch.zeros(n - T, dtype=torch.int64)]), pool.win_k[1], pool.win_v[1])
+    zeros = lambda n: torch.zeros(n, dtype=torch.int64)  # noqa: E731
+
+    def args(pool, n, views=False):
+        wk, wv = (pool._np["wk"][1], pool._np["wv"][1]) if views else (pool.win_k[1], pool.win_v[1])
+        return (k[:n], v[:n], torch.cat([positions, zeros(n - T)]), cos, sin, torch.cat([loc, torch.full((n - T,), 90)]),
+                pool.k_buffer[1], pool.v_buffer[1], pool.code_bytes_k, torch.cat([wr, zeros(n - T)]), zeros(n), wk, wv)
+
     assert pool_a._encoder.encode_into(1, *args(pool_a, T))  # serial: T < threshold
-    assert pool_b._encoder.encode_into(1, *args(pool_b, T + pad))  # batched kernels
+    assert pool_b._encoder.encode_into(1, *args(pool_b, T + pad, views=True))  # batched kernels, numpy views
     assert torch.equal(pool_a.k_buffer[1][loc], pool_b.k_buffer[1][loc])
     assert torch.equal(pool_a.v_buffer[1][loc], pool_b.v_buffer[1][loc])
-    assert torch.equal(pool_a.win_k[1][1:], pool_b.win_k[1][1:]) and torch.equal(pool_a.win_v[1][1:], pool_b.win_v[1][1:])
+    assert torch.equal(pool_a.win_k[1], pool_b.win_k[1]) and torch.equal(pool_a.win_v[1], pool_b.win_v[1])
     assert bool((pool_a.k_buffer[1][loc] != 0).any())
-    before = [t.clone() for t in (pool_a.k_buffer[1], pool_a.v_buffer[1], pool_a.win_k[1])]
+    # the kept tokens' values landed in their entries (the pool's [E + 1, 1, H, d] views of the store)
+    assert torch.equal(pool_a.exact.v[1][wr[keep]], v[:T][keep])
+    assert not bool(pool_a.exact.v[1][0].any())  # entry 0 ("none") is never written
+    before = [t.clone() for t in (pool_a.k_buffer[1], pool_a.v_buffer[1], pool_a.win_k[1], pool_a.win_v[1])]
     for bad in ("k", "v"):
         kk, vv = k[:T].clone(), v[:T].clone()
         (kk if bad == "k" else vv)[2, 1, 5] = float("nan")
         a = list(args(pool_a, T))
         a[0], a[1] = kk, vv
         assert pool_a._encoder.encode_into(1, *a) is False
-        assert all(torch.equal(x, y) for x, y in zip(before, (pool_a.k_buffer[1], pool_a.v_buffer[1], pool_a.win_k[1])))
+        after = (pool_a.k_buffer[1], pool_a.v_buffer[1], pool_a.win_k[1], pool_a.win_v[1])
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
     pool_a.set_kv_buffer(types.SimpleNamespace(layer_id=1), loc[:1], kk[:1], vv[:1], positions=positions[:1],
                          req_rows=torch.tensor([0]), seq_lens=torch.tensor([8]))  # falls back, no error
+    assert int(pool_a.exact.entry_of[loc[0]]) == int(wr[0])  # position 7 of 8: still in the window

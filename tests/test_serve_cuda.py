@@ -3,12 +3,14 @@
 The simulator must be on before numba is imported, so the check runs this file as a child
 script (``NUMBA_ENABLE_CUDASIM=1 python tests/test_serve_cuda.py``), which prints one JSON line.
 Setup: a real TaSQTokenToKVPool on CPU (head_dim 16, 2 layers, 2 KV heads, GQA 2, sink 2,
-recent 3, fp16-exact random codebooks), two window rings for three ragged requests (0 and 1 get
-one, 1 starts on 0's first 4 slots as a radix-shared prefix its ring does not hold, 2 has no ring
-and reads codes only), chunked prefill (2 extends) then 2 decodes. Pool A is written by the
-adapter (Numba encode), pool B by the CPU path; checked: pool bytes and rings agree (codes up to
-rare near-ties), the adapter's attention equals the CPU path reading the SAME pool (fp32 windows:
-tight; bf16 windows, the serving default: loose), and the CPU path on pool B.
+recent 3, fp16-exact random codebooks) with its slot-keyed exact store, three ragged requests
+(1 starts on request 0's first 4 slots, a radix-shared prefix whose exact entries are request
+0's, read after request 0 has moved past them), chunked prefill (2 extends, with chunk tokens
+outside later queries' windows: the strict per-query rule) then 2 decodes. Pool A is written by
+the adapter (Numba encode), pool B by the CPU path; checked: pool bytes, entry assignment and
+exact entries agree (codes up to rare near-ties), the adapter's attention equals the CPU path
+reading the SAME pool (fp32 windows: tight; bf16 windows, the serving default: loose), and the
+CPU path on pool B.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+REQ_ROWS = 4  # ReqToTokenPool size of _setup
 
 
 @dataclass
@@ -37,6 +40,9 @@ class Batch:
 
 
 def _setup(window_rows: str):
+    """Two (pool, backend) pairs on CPU. ``window_rows`` sizes the exact store
+    (SGLANG_TASQ_WINDOW_ROWS); raised to the ReqToTokenPool size (4) when smaller, as
+    ``attach_request_rows`` requires."""
     import types
 
     import torch
@@ -51,16 +57,21 @@ def _setup(window_rows: str):
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
     cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
     pool_mod.runtime_artifact = lambda: types.SimpleNamespace(codebooks=cb, config=cfg)
-    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = window_rows
+    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(max(int(window_rows), REQ_ROWS))
     pools, backends = [], []
     for _ in range(2):
         pool = pool_mod.TaSQTokenToKVPool(size=96, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16,
                                           layer_num=2, device="cpu", enable_memory_saver=False)
-        r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+        r2t = ReqToTokenPool(size=REQ_ROWS, max_context_len=64, device="cpu", enable_memory_saver=False)
         runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
         backends.append(TaSQAttnBackend(runner))
         pools.append(pool)
     return pools, backends
+
+
+def _strict_pairs(prefix: int, seq: int, sink: int, recent: int) -> int:
+    """(query, chunk key) pairs of one extend that the rule reads from codes."""
+    return sum(1 for i in range(prefix, seq) for j in range(prefix, i + 1) if sink <= j < i + 1 - recent)
 
 
 def _sim_main() -> dict:
@@ -72,21 +83,23 @@ def _sim_main() -> dict:
     from sglang_tasq.serve_cuda import TaSQCudaAdapter
 
     (pool_a, pool_b), (be_a, be_b) = _setup("2")
+    assert pool_a.exact.capacity == REQ_ROWS * (2 + 2 * 3)
     rows = [be.req_to_token_pool.alloc_rows(3) for be in (be_a, be_b)]
     assert rows[0] == rows[1]
     rows = rows[0]
-    assert pool_a.ring_of[rows].tolist() == [1, 2, 0], pool_a.ring_of[rows]
     ad32 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, full_dtype=torch.float32)
     ad16 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, max_view_tokens=4)  # bf16 windows, 1 request/group
     layers = [types.SimpleNamespace(layer_id=i, tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=16, v_head_dim=16,
                                     scaling=0.25) for i in range(2)]
     gen = torch.Generator().manual_seed(7)
     free = torch.randperm(95, generator=gen) + 1
-    # request 0 (ring 1), 1 (ring 2; starts on request 0's first 4 slots, a shared radix prefix), 2 (no ring)
-    steps = [("extend", {0: 7, 2: 4}), ("extend", {0: 5, 1: 3, 2: 3}), ("decode", {0: 1, 1: 1, 2: 1}),
+    # request 1 starts on request 0's first 4 slots (a shared radix prefix: all 4 hold entries,
+    # written inside request 0's first chunk), while request 0 moves on past them
+    steps = [("extend", {0: 4, 2: 6}), ("extend", {0: 5, 1: 3, 2: 3}), ("decode", {0: 1, 1: 1, 2: 1}),
              ("decode", {0: 1, 1: 1, 2: 1})]
     lens, used = [0, 4, 0], 0
-    res = {"tight": 0.0, "loose": 0.0, "other_pool": 0.0, "code_mismatch": 0, "codes": 0, "ring": 0.0}
+    res = {"tight": 0.0, "loose": 0.0, "other_pool": 0.0, "code_mismatch": 0, "codes": 0, "exact": 0.0,
+           "strict_pairs": 0, "shared_entries": 0}
     for mode, batch in steps:
         reqs, new = list(batch), list(batch.values())
         loc = free[used : used + sum(new)]
@@ -103,6 +116,8 @@ def _sim_main() -> dict:
         prefix = [lens[b] for b in reqs]
         for b, t in batch.items():
             lens[b] += t
+        if mode == "extend":
+            res["strict_pairs"] += sum(_strict_pairs(p, lens[b], 2, 3) for p, b in zip(prefix, reqs))
         fb = Batch(req_pool_indices=torch.tensor([rows[b] for b in reqs]),
                    seq_lens=torch.tensor([lens[b] for b in reqs], dtype=torch.int32),
                    extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
@@ -110,6 +125,12 @@ def _sim_main() -> dict:
                    out_cache_loc=loc.clone(), forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND)
         for be in (be_a, be_b):
             be.init_forward_metadata(fb)
+        assert torch.equal(be_a.forward_metadata["win_targets"][0], be_b.forward_metadata["win_targets"][0])
+        if 1 in batch and prefix[reqs.index(1)] == 4:
+            r2t = be_a.req_to_token_pool.req_to_token
+            shared = pool_a.exact.entry_of[r2t[rows[1], :4].long()]
+            assert bool((shared > 0).all()) and torch.equal(shared, pool_a.exact.entry_of[r2t[rows[0], :4].long()])
+            res["shared_entries"] += int(shared.numel())
         md16 = dict(be_a.forward_metadata)
         for layer in layers:
             N = sum(new)
@@ -127,9 +148,14 @@ def _sim_main() -> dict:
             res["code_mismatch"] += int((pool_a.k_buffer[lid] != pool_b.k_buffer[lid]).any(1).sum())
             res["code_mismatch"] += int((pool_a.v_buffer[lid] != pool_b.v_buffer[lid]).any(1).sum())
             res["codes"] += 2 * used
-            res["ring"] = max(res["ring"], float((pool_a.win_k[lid][1:] - pool_b.win_k[lid][1:]).abs().max()),
-                              float((pool_a.win_v[lid][1:] - pool_b.win_v[lid][1:]).abs().max()))
-    res["win_pos_equal"] = bool((pool_a.win_pos == pool_b.win_pos).all())
+            # entry 0 ("none") is the adapter's never-read dump for tokens outside every window
+            ea, eb = pool_a.exact, pool_b.exact
+            res["exact"] = max(res["exact"], float((ea.k[lid][1:].float() - eb.k[lid][1:].float()).abs().max()),
+                               float((ea.v[lid][1:].float() - eb.v[lid][1:].float()).abs().max()))
+    res["entries_equal"] = bool(torch.equal(pool_a.exact.entry_of, pool_b.exact.entry_of)
+                                and torch.equal(pool_a.exact.owner, pool_b.exact.owner))
+    res["entries_used"] = pool_a.exact.used()
+    res["entries_written"] = bool((pool_a.exact.k[0][1:pool_a.exact.used() + 1] != 0).any(-1).any(-1).all())
     res["plan_groups"] = [len(be_a.forward_metadata["tasq_cuda_plan"]), len(md16["tasq_cuda_plan"])]
     return res
 
@@ -144,10 +170,12 @@ def test_adapter_matches_cpu_path_in_simulator():
     res = json.loads(lines[-1])
     print(res)
     assert res["plan_groups"] == [1, 3]
+    assert res["strict_pairs"] > 0 and res["shared_entries"] == 4, res
     assert res["tight"] < 1e-4, res
     assert res["loose"] < 3e-2, res
     assert res["code_mismatch"] <= max(1, res["codes"] // 50), res
-    assert res["ring"] < 1e-2 and res["win_pos_equal"], res
+    assert res["exact"] < 1e-2 and res["entries_equal"], res
+    assert res["entries_used"] > 0 and res["entries_written"], res
     if res["code_mismatch"] == 0:
         assert res["other_pool"] < 1e-4, res
 

@@ -178,9 +178,8 @@ def _around_match_prefix(original, self, params, *args, **kwargs):
     P = int(getattr(result, "device_prefix_len", 0) or 0)
     if not P or not launch.active():
         return result
-    alloc = getattr(self, "token_to_kv_pool_allocator", None)
-    pool = alloc.get_kvcache() if alloc is not None and hasattr(alloc, "get_kvcache") else None
-    if pool is None or not hasattr(pool, "valid_prefix"):
+    pool = _tasq_pool(self)
+    if pool is None:
         return result
     slots = self.path_device_indices(result.last_device_node)[:P]
     keep = pool.valid_prefix(slots)
@@ -195,6 +194,31 @@ def _around_match_prefix(original, self, params, *args, **kwargs):
     cut = RadixKey(key.token_ids, extra_key=key.extra_key, is_bigram=key.is_bigram, limit=limit,
                    cache_salt=key.cache_salt)
     return original(self, dataclasses.replace(params, key=cut), *args, **kwargs)
+
+
+def _tasq_pool(cache):
+    if not launch.active():
+        return None
+    alloc = getattr(cache, "token_to_kv_pool_allocator", None)
+    pool = alloc.get_kvcache() if alloc is not None and hasattr(alloc, "get_kvcache") else None
+    return pool if pool is not None and hasattr(pool, "adopt_entries") else None
+
+
+def _around_insert(original, self, params, *args, **kwargs):
+    """A request's freshly computed KV that duplicates tree nodes is freed and the request is
+    repointed to the tree's slots: hand the fresh exact entries to those slots where they have
+    none (they were evicted, which is why the request recomputed them)."""
+    result = original(self, params, *args, **kwargs)
+    pool = _tasq_pool(self)
+    node = getattr(result, "last_device_node", None)
+    fresh = getattr(params, "value", None)
+    if pool is None or node is None or fresh is None or not len(fresh):
+        return result
+    canon = self.path_device_indices(node)
+    n = min(len(canon), len(fresh))
+    if n:
+        pool.adopt_entries(fresh[:n], canon[:n])
+    return result
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -249,5 +273,6 @@ def load() -> None:
     for cls in ("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache",
                 "sglang.srt.mem_cache.radix_cache.RadixCache"):
         reg(f"{cls}.match_prefix", _around_match_prefix, HookType.AROUND)
+        reg(f"{cls}.insert", _around_insert, HookType.AROUND)
     reg("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
         _before_validate_one_request, HookType.BEFORE)

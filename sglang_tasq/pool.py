@@ -196,10 +196,12 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             need = torch.cat([r2t[row, : min(sink, P)], r2t[row, max(lo, min(sink, P)): P]]).to(torch.int64)
             ent = self.exact.entry_of[need]
             if not bool((ent > 0).all()):
-                miss = int((ent == 0).sum())
+                pos = torch.cat([torch.arange(min(sink, P)), torch.arange(max(lo, min(sink, P)), P)])
+                miss = pos[ent == 0]
                 raise RuntimeError(
-                    f"tasq: request row {row} (prefix {P} of {S} tokens) lacks {miss} full-precision window "
-                    f"entries of its prefix; refusing to serve them from codes")
+                    f"tasq: request row {row} (prefix {P} of {S} tokens) lacks {miss.numel()} full-precision "
+                    f"window entries of its prefix (positions {miss[:8].tolist()}...); refusing to serve them "
+                    f"from codes")
             self.exact.touch(need)
 
     def valid_prefix(self, slots: torch.Tensor) -> int:
@@ -212,6 +214,22 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if P:
             self.exact.touch(slots[:P])
         return P
+
+    def adopt_entries(self, fresh: torch.Tensor, canon: torch.Tensor) -> None:
+        """The radix cache kept its slots ``canon`` [n] for a prefix a request recomputed into
+        ``fresh`` [n] (freed as duplicates): move fresh exact entries to canon slots that lack one."""
+        if self.exact is None:
+            return
+        st = self.exact
+        fresh, canon = fresh.to(torch.int64), canon.to(torch.int64).to(fresh.device)
+        diff = fresh != canon
+        f, c = fresh[diff], canon[diff]
+        ef, ec = st.entry_of[f], st.entry_of[c]
+        move = (ef > 0) & (ec == 0)
+        if bool(move.any()):
+            st.entry_of[c[move]] = ef[move]
+            st.owner[ef[move]] = c[move]
+            st.entry_of[f[move]] = 0
 
     def in_window(self, positions: torch.Tensor, seq_len) -> torch.Tensor:
         """[T] bool: positions read exactly by a query at ``seq_len - 1`` (:func:`windows.in_window`)."""

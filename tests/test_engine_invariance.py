@@ -1,0 +1,155 @@
+"""A served answer is a function of its request alone (real ``sglang.Engine`` on CPU, SmolLM2,
+a calibrated artifact, radix cache ON, greedy).
+
+The same prompts are answered cold, after unrelated requests, warm (their whole prefix in the
+radix cache), inside a batch of 16 with at most 4 running at once (more requests than the
+window store is sized for: the scheduler never runs one without its windows), as the third
+turn of a chat whose earlier turns are radix-shared, with ``--chunked-prefill-size 256``, and
+on the plain-torch path (``SGLANG_TASQ_CPU_KERNELS=0``). Within each path every answer must be
+token-identical; the engine's log-probs must equal the HF TaSQ cache fed token by token (the
+same window rule by construction) within the bf16 engine's own distance to HF.
+
+The prompts are long (~700-1,300 tokens) so that most of every prompt is read from codes: a
+window served from codes (the old defect: a radix-matched sink read from codes) or codes
+served as exact changes these answers (checked when the prompts were chosen; see the issue
+note).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+from engine_worker import chat_ids, model_dir, pick_artifact, run_worker  # noqa: E402
+
+NEW = 12
+GREEDY = {"temperature": 0, "max_new_tokens": NEW}
+ROWS = 4  # SGLANG_TASQ_WINDOW_ROWS: at most 4 requests run at once
+
+
+def _haystack(n: int, code: str, seed: int) -> str:
+    towns = ["Avon", "Brill", "Corfe", "Dent", "Eye", "Frome", "Hay", "Looe", "Mere", "Rye"]
+    filler = [f"Note {i}: in {towns[(i * seed) % 10]} the market opened at {(i * 7 + seed) % 12 + 1} o'clock."
+              for i in range(n)]
+    filler.insert(n // 3, f"The secret passcode is {code}.")
+    return " ".join(filler) + "\n\nWhat is the secret passcode? Answer with the number only."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir())
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return pick_artifact(tmp_path_factory.mktemp("art"))[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    main = [chat_ids(tok, _haystack(n, c, s)) for n, c, s in ((60, "7421", 1), (45, "3945", 3))]
+    others = [chat_ids(tok, _haystack(30 + 3 * i, str(1000 + 37 * i), i + 2)) for i in range(14)]
+    unrelated = [chat_ids(tok, q) for q in ("What is the capital of France?", "Name three colours.")]
+    turns = [{"role": "user", "content": _haystack(40, "5182", 5)},
+             {"role": "assistant", "content": "The secret passcode is 5182."},
+             {"role": "user", "content": "In which town did the market open at 3 o'clock?"},
+             {"role": "assistant", "content": "It opened at 3 o'clock in Dent."},
+             {"role": "user", "content": "Repeat the passcode, then name the first town in the notes."}]
+    chat = [_chat(tok, turns[: n]) for n in (1, 3, 5)]
+    return {"main": main, "others": others, "unrelated": unrelated, "chat": chat}
+
+
+def _chat(tok, msgs) -> list[int]:
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _gen(ids, lp=False):
+    return {"op": "generate", "input_ids": ids, "sampling_params": GREEDY, "return_logprob": lp}
+
+
+def _tasks(p):
+    main, t = p["main"], []
+    t += [{"op": "flush"}] + [_gen(ids, True) for ids in main]            # 1, 2: cold
+    t += [_gen(ids) for ids in p["unrelated"]] + [_gen(ids) for ids in main]  # 5, 6: after others, warm
+    t += [{"op": "flush"}, _gen(main + p["others"])]                      # 8: batch of 16, 4 at a time
+    t += [{"op": "flush"}] + [_gen(ids) for ids in p["chat"]]              # 12: 3rd turn, turns 1-2 shared
+    t += [{"op": "flush"}, _gen(p["chat"][-1])]                           # 14: the same conversation fresh
+    return t
+
+
+def _run(artifact, prompts, tmp, name, env=None, engine=None):
+    spec = {"engine": dict({"model_path": str(model_dir()), "mem_fraction_static": 0.05}, **(engine or {})),
+            "tasq_config": str(artifact), "tasks": _tasks(prompts)}
+    rc, out, err = run_worker(spec, tmp, name, env=dict({"SGLANG_TASQ_WINDOW_ROWS": str(ROWS)}, **(env or {})))
+    assert rc == 0 and out is not None, err[-3000:]
+    r = out["results"]
+    ids = lambda i, j=0: r[i]["outputs"][j]["output_ids"]  # noqa: E731
+    return {"cold": [ids(1), ids(2)], "after": [ids(5), ids(6)], "batch": [ids(8, 0), ids(8, 1)],
+            "chat_warm": ids(12), "chat_fresh": ids(14),
+            "logprobs": [r[1]["outputs"][0]["output_logprobs"], r[2]["outputs"][0]["output_logprobs"]]}
+
+
+@pytest.fixture(scope="module")
+def numba_run(artifact, prompts, tmp_path_factory):
+    return _run(artifact, prompts, tmp_path_factory.mktemp("nb"), "numba")
+
+
+@pytest.fixture(scope="module")
+def torch_chunked_run(artifact, prompts, tmp_path_factory):
+    return _run(artifact, prompts, tmp_path_factory.mktemp("tc"), "torch",
+                env={"SGLANG_TASQ_CPU_KERNELS": "0"}, engine={"chunked_prefill_size": 256})
+
+
+@pytest.mark.parametrize("path", ["numba_run", "torch_chunked_run"])
+def test_same_answer_cold_after_others_warm_and_in_a_batch(path, request):
+    run = request.getfixturevalue(path)
+    assert all(len(x) > 0 for x in run["cold"])
+    assert run["after"] == run["cold"], (run["after"], run["cold"])
+    assert run["batch"] == run["cold"], (run["batch"], run["cold"])
+    assert run["chat_warm"] == run["chat_fresh"], (run["chat_warm"], run["chat_fresh"])
+
+
+def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_chunked_run):
+    """Chunked prefill (256) on the torch path vs one-chunk prefill on the Numba path: the same
+    attention by the window rule, so the same tokens (float rounding could flip a near-tie;
+    it does not on these prompts)."""
+    assert torch_chunked_run["cold"] == numba_run["cold"]
+
+
+def test_logprobs_match_hf_token_by_token(numba_run, prompts, artifact):
+    """Teacher-forced log-probs of the engine's tokens under the HF TaSQ cache fed one token at a
+    time (each query sees the window rule exactly). Tolerance: what differs is arithmetic, not
+    what is read: the engine attends in fp32 over decoded codes and bf16 windows, HF casts the
+    decoded keys to bf16 and runs bf16 SDPA, and the two run different bf16 GEMM kernels for the
+    same weights; measured here max 0.12 nats (first token, 1.1k-token prefill), so 0.2 / 0.04
+    mean. The old defects (a window read from codes, codes read exactly) move these by >0.3."""
+    from sglang_tasq.launch import load_checked_artifact
+
+    art = load_checked_artifact(str(artifact), None)
+    lp = numba_run["logprobs"][0]
+    ids = [t for _, t in lp]
+    ref = _hf_token_by_token(art, prompts["main"][0], ids)
+    diffs = [abs(a - b) for (a, _), b in zip(lp, ref)]
+    print('logprob diffs', [round(x, 4) for x in diffs])
+    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.04, (diffs, lp, ref)
+
+
+def _hf_token_by_token(art, prompt_ids, out_ids):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_tasq.hf_cache import TaSQCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16).eval()
+    cfg = art.config
+    cache = TaSQCache(art.codebooks, sink=cfg.sink_window, recent=cfg.recent_window, fresh_exact=True)
+    seq, out = list(prompt_ids) + list(out_ids), []
+    with torch.no_grad():
+        for i, t in enumerate(seq[:-1]):
+            logits = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            if i >= len(prompt_ids) - 1:
+                out.append(float(torch.log_softmax(logits.float(), -1)[seq[i + 1]]))
+    return out

@@ -57,8 +57,10 @@ def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int) -> dict:
         from sglang_tasq.pool import bytes_per_token, window_bytes
 
         cfg = load_artifact(manifest).config
-        cells["tasq"] = (bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers),
-                         window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows + 1))
+        from sglang_tasq.plugin import SLOT_INDEX_BYTES
+
+        cells["tasq"] = (bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES,
+                         window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows))
     return cells
 
 
@@ -289,7 +291,7 @@ def to_markdown(s: dict) -> str:
              f"Model: {w['model']} ({w['model_dir']}). TaSQ artifact: {w['tasq_config']}.",
              f"Workload: `sglang.benchmark.serving` {w['dataset']}, input {w['input_len']} + output "
              f"{w['output_len']} tokens, max({w['num_prompts']}, concurrency) prompts at concurrency {w['concurrency']}; "
-             f"KV budget {w['kv_budget_mib']} MiB per server (TaSQ: {w['window_rows']} bf16 window rings "
+             f"KV budget {w['kv_budget_mib']} MiB per server (TaSQ: exact windows for {w['window_rows']} running requests "
              f"included), preset `{w['preset']}`; best of {w.get('rounds', 1)} "
              f"{'paired' if w.get('paired') else 'interleaved'} round(s) per server and concurrency (by output tok/s).", "",
              "| server | attention, KV dtype | bytes/token | pool tokens | KV GB (server) | requests that fit | "
@@ -337,7 +339,7 @@ def parse_args(argv=None):
     ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     for flag, typ, hlp in (("input-len", int, ""), ("output-len", int, ""), ("num-prompts", int, "per run, at least the concurrency"),
                            ("kv-budget-mib", float, "KV MiB for every server; 0 = SGLang's own sizing"),
-                           ("window-rows", int, "TaSQ window rings (SGLANG_TASQ_WINDOW_ROWS), inside the budget")):
+                           ("window-rows", int, "TaSQ running requests the exact window store holds (SGLANG_TASQ_WINDOW_ROWS), inside the budget")):
         ap.add_argument("--" + flag, type=typ, help=hlp or None)
     ap.add_argument("--concurrency", type=int, nargs="+")
     ap.add_argument("--mem-fraction-static", type=float, default=0.1, help="same for every server")

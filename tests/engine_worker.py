@@ -74,8 +74,10 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def reference_logprobs(codebooks, prompt_ids: list[int], out_ids: list[int], sink: int, recent: int) -> list[float]:
-    """Teacher-forced log-probs of ``out_ids`` after ``prompt_ids`` with the HF TaSQ cache
-    (prefill attends to itself exactly, decode reads codes outside the windows)."""
+    """Teacher-forced log-probs of ``out_ids`` after ``prompt_ids`` with the HF TaSQ cache fed one
+    token at a time, so every query (prompt ones included) reads the window rule of
+    ``sglang_tasq.windows`` exactly as the served engine does (key j exact iff j < sink or
+    j >= i + 1 - recent, codes otherwise)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -84,12 +86,12 @@ def reference_logprobs(codebooks, prompt_ids: list[int], out_ids: list[int], sin
     model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16)
     model.eval()
     cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True)
-    out = []
+    seq, out = list(prompt_ids) + list(out_ids), []
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True).logits[0, -1]
-        for tok in out_ids:
-            out.append(float(torch.log_softmax(logits.float(), -1)[tok]))
-            logits = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for i, t in enumerate(seq[:-1]):
+            logits = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            if i >= len(prompt_ids) - 1:
+                out.append(float(torch.log_softmax(logits.float(), -1)[seq[i + 1]]))
     return out
 
 

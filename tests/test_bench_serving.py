@@ -35,8 +35,8 @@ def test_kv_cells_match_pool_sizing():
     cells = serving.kv_cells(SMOL, FAST, window_rows=8)
     assert cells["bf16"] == (23040, 0) and cells["fp8"] == (11520, 0)
     cfg = load_artifact(FAST).config
-    assert cells["tasq"] == (bytes_per_token(cfg, 3, 64, 30), window_bytes(cfg, 3, 64, 30, 9))
-    assert cells["tasq"][0] == 62 * 30  # 30 + 2 + 30 bytes per layer (module docstring of pool.py)
+    assert cells["tasq"] == (bytes_per_token(cfg, 3, 64, 30) + 8, window_bytes(cfg, 3, 64, 30, 8))
+    assert cells["tasq"][0] == 62 * 30 + 8  # 30 + 2 + 30 bytes per layer (pool.py) + the slot's entry index
     tasq = serving.budget_tokens(96 * 2**20, *cells["tasq"])
     assert serving.requests_that_fit(tasq, 1024, 32) > 2 * serving.requests_that_fit(4369, 1024, 32)
     assert "tasq" not in serving.kv_cells(SMOL, None, 8)

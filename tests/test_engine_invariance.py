@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-from engine_worker import chat_ids, model_dir, pick_artifact, run_worker  # noqa: E402
+from engine_worker import chat_ids, model_dir, pick_artifact, reference_logprobs, run_worker  # noqa: E402
 
 NEW = 12
 GREEDY = {"temperature": 0, "max_new_tokens": NEW}
@@ -125,31 +125,14 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, artifact):
     what is read: the engine attends in fp32 over decoded codes and bf16 windows, HF casts the
     decoded keys to bf16 and runs bf16 SDPA, and the two run different bf16 GEMM kernels for the
     same weights; measured here max 0.12 nats (first token, 1.1k-token prefill), so 0.2 / 0.04
-    mean. The old defects (a window read from codes, codes read exactly) move these by >0.3."""
+    mean."""
     from sglang_tasq.launch import load_checked_artifact
 
     art = load_checked_artifact(str(artifact), None)
     lp = numba_run["logprobs"][0]
     ids = [t for _, t in lp]
-    ref = _hf_token_by_token(art, prompts["main"][0], ids)
+    cfg = art.config
+    ref = reference_logprobs(art.codebooks, prompts["main"][0], ids, cfg.sink_window, cfg.recent_window)
     diffs = [abs(a - b) for (a, _), b in zip(lp, ref)]
     print('logprob diffs', [round(x, 4) for x in diffs])
     assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.04, (diffs, lp, ref)
-
-
-def _hf_token_by_token(art, prompt_ids, out_ids):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from sglang_tasq.hf_cache import TaSQCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16).eval()
-    cfg = art.config
-    cache = TaSQCache(art.codebooks, sink=cfg.sink_window, recent=cfg.recent_window, fresh_exact=True)
-    seq, out = list(prompt_ids) + list(out_ids), []
-    with torch.no_grad():
-        for i, t in enumerate(seq[:-1]):
-            logits = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
-            if i >= len(prompt_ids) - 1:
-                out.append(float(torch.log_softmax(logits.float(), -1)[seq[i + 1]]))
-    return out

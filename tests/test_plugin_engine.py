@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 from engine_worker import model_dir, pick_artifact, reference_logprobs, run_worker  # noqa: E402
 
-RINGS = 8  # SGLANG_TASQ_WINDOW_ROWS for the test engine (each ring: 320 tokens of bf16 K/V)
+RINGS = 8  # SGLANG_TASQ_WINDOW_ROWS: running requests whose windows the exact store holds
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 SUFFIXES = [" Which item is red?", " Name item 3.", " Count the items.", " What is item 5?"]
 
@@ -89,16 +89,18 @@ def test_without_config_the_plugin_does_nothing(base_run):
 
 
 def test_capacity_at_same_memory(tasq_run, base_run, artifact):
-    """Tokens TaSQ fits in bf16's bytes (window rings charged): >= 12x at a 16 GiB budget."""
+    """Tokens TaSQ fits in bf16's bytes (exact window store and slot index charged): >= 12x at a
+    16 GiB budget."""
     from sglang_tasq.launch import load_checked_artifact
+    from sglang_tasq.plugin import SLOT_INDEX_BYTES
     from sglang_tasq.pool import bytes_per_token, window_bytes
 
     art = load_checked_artifact(str(artifact[0]), None)
     fp, cfg = art.model, art.config
-    per_token = bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers)
+    per_token = bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES
     bf16_per_token = 2 * fp.num_kv_heads * fp.head_dim * 2 * fp.num_layers
     assert bf16_per_token / per_token >= 12.0
-    rings = window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, RINGS + 1)
+    rings = window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, RINGS)
     # the rings are a fixed cost: at a 16 GiB KV budget TaSQ holds >= 12x bf16's tokens
     budget = 16 * 2**30
     assert ((budget - rings) // per_token) / (budget // bf16_per_token) >= 12.0
@@ -109,7 +111,8 @@ def test_capacity_at_same_memory(tasq_run, base_run, artifact):
 
 
 def test_logprobs_match_hf_reference(tasq_run, prompts, artifact):
-    """Decode reads codes outside the windows: the engine agrees with the HF TaSQ cache."""
+    """Prefill and decode read codes outside each query's window: the engine agrees with the HF
+    TaSQ cache fed token by token (tolerance: see test_engine_invariance)."""
     from sglang_tasq.launch import load_checked_artifact
 
     art = load_checked_artifact(str(artifact[0]), None)
@@ -118,7 +121,7 @@ def test_logprobs_match_hf_reference(tasq_run, prompts, artifact):
     eng = [lp for lp, _ in out["output_logprobs"]]
     ref = reference_logprobs(art.codebooks, prompts["long"], ids, art.config.sink_window, art.config.recent_window)
     diffs = [abs(a - b) for a, b in zip(eng, ref)]
-    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.08, (eng, ref)
+    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.04, (diffs, eng, ref)
 
 
 def test_shared_prefix_batch_equals_one_by_one(tasq_run):

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-from engine_worker import model_dir, pick_artifact, reference_logprobs, run_worker  # noqa: E402
+from engine_worker import model_dir, pick_artifact, run_worker  # noqa: E402
 
 RINGS = 8  # SGLANG_TASQ_WINDOW_ROWS: running requests whose windows the exact store holds
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -108,20 +108,6 @@ def test_capacity_at_same_memory(tasq_run, base_run, artifact):
     tokens, kv_gb = tasq_run[0]["max_total_num_tokens"], tasq_run[0]["kvcache_gb"]
     held = (kv_gb * 2**30 - rings) / tokens
     assert abs(held - per_token) < 0.05 * per_token + 2**20 / tokens, (held, per_token)
-
-
-def test_logprobs_match_hf_reference(tasq_run, prompts, artifact):
-    """Prefill and decode read codes outside each query's window: the engine agrees with the HF
-    TaSQ cache fed token by token (tolerance: see test_engine_invariance)."""
-    from sglang_tasq.launch import load_checked_artifact
-
-    art = load_checked_artifact(str(artifact[0]), None)
-    out = tasq_run[2]["outputs"][0]
-    ids = [t for _, t in out["output_logprobs"]]
-    eng = [lp for lp, _ in out["output_logprobs"]]
-    ref = reference_logprobs(art.codebooks, prompts["long"], ids, art.config.sink_window, art.config.recent_window)
-    diffs = [abs(a - b) for a, b in zip(eng, ref)]
-    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.04, (diffs, eng, ref)
 
 
 def test_shared_prefix_batch_equals_one_by_one(tasq_run):

@@ -28,6 +28,10 @@ from numba.extending import intrinsic
 
 _TOKEN_BLOCK = 16
 _ARGMIN_CHUNK = 32
+# Sentinel of the running minima / maxima: fastmath=True lets LLVM assume no infinities (ninf),
+# so an inf sentinel would be undefined behaviour (free to differ by CPU and call); FLT_MAX is
+# finite. Inputs are finite: the encoder checks them, the decode kernel gets model activations.
+_BIG = np.float32(3.4028235e38)
 
 
 def set_threads(n: int | None = None) -> None:
@@ -43,7 +47,7 @@ def _first_min(dist, lanes, lidx, K, chunk):
     would not), then the smallest index among the lanes holding the overall minimum."""
     nfull = K // chunk
     for i in range(chunk):
-        lanes[i] = np.float32(np.inf)
+        lanes[i] = _BIG
         lidx[i] = np.int32(0)
     for c in range(nfull):
         base = c * chunk
@@ -52,7 +56,7 @@ def _first_min(dist, lanes, lidx, K, chunk):
             lt = v < lanes[i]
             lanes[i] = v if lt else lanes[i]
             lidx[i] = np.int32(c) if lt else lidx[i]
-    best = np.float32(np.inf)
+    best = _BIG
     arg = K
     for i in range(chunk if nfull else 0):
         k = lidx[i] * chunk + i
@@ -145,7 +149,7 @@ def _nearest_lanes(x, cbr, cn, out):
         for i in range(nt):
             for j in range(8):
                 xt[j, i] = np.float32(-2.0) * x[t0 + i, n, j]
-        best = np.full(_LANES, np.inf, np.float32)
+        best = np.full(_LANES, _BIG, np.float32)
         arg = np.zeros(_LANES, np.int32)
         for k in range(0, K - 1, 2):
             c0, c1, c2, c3 = cbr[n, k, 0], cbr[n, k, 1], cbr[n, k, 2], cbr[n, k, 3]
@@ -471,7 +475,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb2[r, p] * ka[p] - qa2[r, p] * kb_[p])
                 logits[r, t - t_lo] = acc * s
         for r in range(rep):
-            m = np.float32(-np.inf)
+            m = -_BIG
             for i in range(t_hi - t_lo):
                 m = max(m, logits[r, i])
             tot = np.float32(0.0)
@@ -508,7 +512,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         b = bh // H
         h = bh - b * H
         for r in range(rep):
-            mx = np.float32(-np.inf)
+            mx = -_BIG
             for sp in range(nsplit):
                 if part_l[bh * nsplit + sp, r] > 0:
                     mx = max(mx, part_m[bh * nsplit + sp, r])

@@ -51,7 +51,7 @@ def _tasq_setup(art, B: int, ctx: int, share: bool):
     from sglang_tasq import pool as pool_mod
     from sglang_tasq.backend import TaSQAttnBackend
 
-    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(max(B, 1))
+    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(B + 1)  # the exact store holds every request row
     pool_mod.runtime_artifact = lambda: art
     pool = pool_mod.TaSQTokenToKVPool(size=B * (ctx + 8) + 8, page_size=1, dtype=torch.bfloat16, head_num=H,
                                       head_dim=D, layer_num=L, device="cpu", enable_memory_saver=False)

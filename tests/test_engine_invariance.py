@@ -5,16 +5,19 @@ The same prompts are answered cold, after unrelated requests, warm (their whole 
 radix cache), inside a batch of 16 with at most 4 running at once (more requests than the
 window store is sized for: the scheduler never runs one without its windows), as the third
 turn of a chat whose earlier turns are radix-shared, with ``--chunked-prefill-size 256``, and
-on the plain-torch path (``SGLANG_TASQ_CPU_KERNELS=0``). Within each path every answer must be
+on the plain-torch path (``SGLANG_TASQ_CPU_KERNELS=0``), and after retractions (SGLang's
+``SGLANG_TEST_RETRACT`` hook, on the torch run). Within each path every answer must be
 token-identical; the engine's log-probs must equal the HF TaSQ cache fed token by token (the
 same window rule by construction) within the bf16 engine's own distance to HF.
 
-The prompts are long (~700-1,300 tokens) so that most of every prompt is read from codes: a
-window served from codes (the old defect: a radix-matched sink read from codes) or codes
-served as exact changes these answers (checked when the prompts were chosen; see the issue
-note).
+The prompts are long (~700-1,300 tokens) so that most of every prompt is read from codes, and
+the windows matter: the same artifact with no windows (sink = recent = 0) changes all three
+answers checked (the two needles and the chat's third turn: "The secret code is 12: in Looe"
+for "The secret passcode is 123456", ...), so serving a window from codes is caught.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -70,8 +73,10 @@ def _gen(ids, lp=False):
     return {"op": "generate", "input_ids": ids, "sampling_params": GREEDY, "return_logprob": lp}
 
 
-def _tasks(p):
+def _tasks(p, full: bool = True):
     main, t = p["main"], []
+    if not full:  # cold, then a batch of 6 (4 at a time)
+        return t + [{"op": "flush"}] + [_gen(ids, True) for ids in main] + [{"op": "flush"}, _gen(main + p["others"][:4])]
     t += [{"op": "flush"}] + [_gen(ids, True) for ids in main]            # 1, 2: cold
     t += [_gen(ids) for ids in p["unrelated"]] + [_gen(ids) for ids in main]  # 5, 6: after others, warm
     t += [{"op": "flush"}, _gen(main + p["others"])]                      # 8: batch of 16, 4 at a time
@@ -80,15 +85,17 @@ def _tasks(p):
     return t
 
 
-def _run(artifact, prompts, tmp, name, env=None, engine=None):
+def _run(artifact, prompts, tmp, name, env=None, engine=None, full=True):
     spec = {"engine": dict({"model_path": str(model_dir()), "mem_fraction_static": 0.05}, **(engine or {})),
-            "tasq_config": str(artifact), "tasks": _tasks(prompts)}
+            "tasq_config": str(artifact), "tasks": _tasks(prompts, full)}
     rc, out, err = run_worker(spec, tmp, name, env=dict({"SGLANG_TASQ_WINDOW_ROWS": str(ROWS)}, **(env or {})))
     assert rc == 0 and out is not None, err[-3000:]
     r = out["results"]
     ids = lambda i, j=0: r[i]["outputs"][j]["output_ids"]  # noqa: E731
+    if not full:
+        return {"cold": [ids(1), ids(2)], "batch": [ids(4, 0), ids(4, 1)], "log": err}
     return {"cold": [ids(1), ids(2)], "after": [ids(5), ids(6)], "batch": [ids(8, 0), ids(8, 1)],
-            "chat_warm": ids(12), "chat_fresh": ids(14),
+            "chat_warm": ids(12), "chat_fresh": ids(14), "log": err,
             "logprobs": [r[1]["outputs"][0]["output_logprobs"], r[2]["outputs"][0]["output_logprobs"]]}
 
 
@@ -99,17 +106,31 @@ def numba_run(artifact, prompts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def torch_chunked_run(artifact, prompts, tmp_path_factory):
+    # + SGLang's test hook that retracts running decode requests every third forward
     return _run(artifact, prompts, tmp_path_factory.mktemp("tc"), "torch",
-                env={"SGLANG_TASQ_CPU_KERNELS": "0"}, engine={"chunked_prefill_size": 256})
+                env={"SGLANG_TASQ_CPU_KERNELS": "0", "SGLANG_TEST_RETRACT": "1"},
+                engine={"chunked_prefill_size": 256, "log_level": "warning"}, full=False)
 
 
-@pytest.mark.parametrize("path", ["numba_run", "torch_chunked_run"])
-def test_same_answer_cold_after_others_warm_and_in_a_batch(path, request):
-    run = request.getfixturevalue(path)
+def test_same_answer_cold_after_others_warm_and_in_a_batch(numba_run):
+    run = numba_run
     assert all(len(x) > 0 for x in run["cold"])
     assert run["after"] == run["cold"], (run["after"], run["cold"])
     assert run["batch"] == run["cold"], (run["batch"], run["cold"])
     assert run["chat_warm"] == run["chat_fresh"], (run["chat_warm"], run["chat_fresh"])
+
+
+def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run):
+    """The plain-torch path, chunked prefill (256), SGLang's retraction hook: a batch of 6, 4 at
+    a time, answers as cold."""
+    assert torch_chunked_run["batch"] == torch_chunked_run["cold"], torch_chunked_run
+
+
+def test_the_torch_run_retracted_requests(torch_chunked_run):
+    """The torch run's batch ran under SGLang's retraction test hook: requests were
+    retracted (their KV freed, prefilled again: partly radix-matched, partly recomputed) and
+    still answered as cold (test above)."""
+    assert re.search(r"retraction\. #retracted_reqs: [1-9]", torch_chunked_run["log"]), torch_chunked_run["log"][-2000:]
 
 
 def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_chunked_run):
@@ -124,15 +145,16 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, artifact):
     time (each query sees the window rule exactly). Tolerance: what differs is arithmetic, not
     what is read: the engine attends in fp32 over decoded codes and bf16 windows, HF casts the
     decoded keys to bf16 and runs bf16 SDPA, and the two run different bf16 GEMM kernels for the
-    same weights; measured here max 0.12 nats, mean 0.032 over 12 tokens (1.1k-token prompt),
-    so max 0.2 / mean 0.06."""
+    same weights. The bf16 engine (torch_native) vs HF bf16 on the 1.1k-token prompt: max 0.062,
+    mean 0.011 nats; TaSQ here: max 0.084, mean 0.020 (0.12 / 0.032 on the 1.1k one). Bounds:
+    max 0.15, mean 0.05."""
     from sglang_tasq.launch import load_checked_artifact
 
     art = load_checked_artifact(str(artifact), None)
-    lp = numba_run["logprobs"][0]
+    lp = numba_run["logprobs"][1]
     ids = [t for _, t in lp]
     cfg = art.config
-    ref = reference_logprobs(art.codebooks, prompts["main"][0], ids, cfg.sink_window, cfg.recent_window)
+    ref = reference_logprobs(art.codebooks, prompts["main"][1], ids, cfg.sink_window, cfg.recent_window)
     diffs = [abs(a - b) for (a, _), b in zip(lp, ref)]
     print('logprob diffs', [round(x, 4) for x in diffs])
-    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.06, (diffs, lp, ref)
+    assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.05, (diffs, lp, ref)

@@ -202,7 +202,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-tasks", help="comma list of tasks (default all 8)")
     ap.add_argument("--niah-methods", help="comma list; empty string = all methods")
     ap.add_argument("--niah-view", choices=ruler.VIEWS,
-                    help="decode (default): the prompt is read through the windows too; serving: exact prefill")
+                    help="decode (default): the prompt is read through the windows too, as the TaSQ server does; "
+                         "serving: exact prefill (the server before its per-query window rule)")
     ap.add_argument("--pos-windows", type=int)
     ap.add_argument("--pos-len", type=int, help="tokens per error-by-position window (default 8192)")
     ap.add_argument("--pos-methods", help="comma list for the error-by-position bench; empty string = all methods")

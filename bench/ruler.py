@@ -43,10 +43,11 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
            view: str = "decode") -> str:
     """Greedy continuation of ``prompt`` (no special tokens added) under ``method``.
 
-    view "decode": prompt tokens attend through the decode view too (the strict measure);
-    "serving": the prompt attends exactly, as an engine's one-chunk prefill does (SGLang
-    attends over the new chunk before it is stored), and every generated token reads the
-    prompt from codes outside the windows."""
+    view "decode": prompt tokens attend through the windows too (the rule of
+    ``sglang_tasq.windows``, which the TaSQ server applies to every query since the window
+    change: this view is what the server serves); "serving": the prompt attends exactly, as the
+    server's one-chunk prefill did before that change, and every generated token reads the
+    prompt from codes outside the windows (kept to compare with earlier runs)."""
     if view not in VIEWS:
         raise ValueError(f"view {view!r}: allowed {VIEWS}")
     ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])

@@ -228,25 +228,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
 
 
 def _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex, causal, sm_scale: float, block: int = 256) -> torch.Tensor:
-    """fp32 attention of q [Tq, Hq, d] over S keys where query i reads key j from (k_ex, v_ex)
-    when ``ex[i, j]`` and from (k_dec, v_dec) otherwise, among the keys ``causal[i, j]`` allows
-    (k, v [S, H, d], post-RoPE keys; GQA); queries in blocks (memory ~ block x S)."""
+    """fp32 attention of q [Tq, Hq, d] (the last Tq of S positions) over S keys where query i
+    reads key j from (k_ex, v_ex) when ``ex[i, j]`` and from (k_dec, v_dec) otherwise, among the
+    keys ``causal[i, j]`` allows (k, v [S, H, d], post-RoPE keys; GQA). One SDPA call per block of
+    queries over the exact and the decoded keys side by side, each masked to where it is read,
+    and only up to the block's last causal key (memory and work ~ block x S)."""
     Tq, Hq, d = q.shape
-    H = k_ex.shape[1]
-    rep = Hq // H
-    kx = k_ex.float().transpose(0, 1).repeat_interleave(rep, 0)  # [Hq, S, d]
-    kd = k_dec.float().transpose(0, 1).repeat_interleave(rep, 0)
-    vx = v_ex.float().transpose(0, 1).repeat_interleave(rep, 0)
-    vd = v_dec.float().transpose(0, 1).repeat_interleave(rep, 0)
+    S, H = k_ex.shape[0], k_ex.shape[1]
+    P = S - Tq
     out = torch.empty(Tq, Hq, v_ex.shape[2], dtype=torch.float32, device=q.device)
     for a in range(0, Tq, block):
         b = min(Tq, a + block)
-        qh = q[a:b].float().transpose(0, 1)  # [Hq, n, d]
-        e, c = ex[a:b], causal[a:b]
-        s = torch.where(e, qh @ kx.transpose(1, 2), qh @ kd.transpose(1, 2)) * sm_scale
-        s = s.masked_fill(~c, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        pe = p * e
-        o = pe @ vx + (p - pe) @ vd
-        out[a:b] = o.transpose(0, 1)
+        hi = P + b  # keys past the block's last query are masked for all of its queries
+        e, c = ex[a:b, :hi], causal[a:b, :hi]
+        keys = torch.cat([k_ex[:hi], k_dec[:hi]]).float().transpose(0, 1).unsqueeze(0)
+        vals = torch.cat([v_ex[:hi], v_dec[:hi]]).float().transpose(0, 1).unsqueeze(0)
+        mask = torch.cat([e & c, ~e & c], dim=1)
+        o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask,
+                                           scale=sm_scale, enable_gqa=Hq != H)
+        out[a:b] = o.squeeze(0).transpose(0, 1)
     return out

@@ -41,8 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "serving"
 SERVERS = ("bf16", "fp8", "tasq")
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
-PRESETS = {  # quick: in 96 MiB bf16 holds 4 requests of 1024 + 32 tokens, fp8 8, TaSQ (8 window rings) 17
-    "quick": dict(input_len=1024, output_len=32, num_prompts=4, concurrency=[1, 4, 8], kv_budget_mib=96, window_rows=8),
+# quick: in 96 MiB bf16 holds 4 requests of 1024 + 32 tokens, fp8 8; TaSQ's exact window store
+# costs 13.3 MB per running request (SmolLM2), so 96 MiB holds the windows of 4 running requests
+# (53 MB) and 24k tokens of codes (8 rows would need 106 MB, more than the budget)
+PRESETS = {
+    "quick": dict(input_len=1024, output_len=32, num_prompts=4, concurrency=[1, 4, 8], kv_budget_mib=96, window_rows=4),
     "full": dict(input_len=2048, output_len=128, num_prompts=32, concurrency=[1, 4, 16, 32], kv_budget_mib=512,
                  window_rows=32)}
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
@@ -118,7 +117,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             from numba_kernels.cpu import PoolEncoder
 
             self._encoder = PoolEncoder(self.codebooks)
-        if self.device == "cpu" or str(self.device) == "cpu":
+        if str(self.device) == "cpu":
             from .fastpath import u16_view
 
             self._np = {"k": [t.numpy() for t in self.k_buffer], "v": [t.numpy() for t in self.v_buffer],

@@ -11,8 +11,10 @@
   validation (raising :class:`launch.TaSQLaunchError`) and selects the backend if unset;
 - returns :class:`pool.TaSQTokenToKVPool` from the platform's ``get_kv_pool_cls(kind="mha")``;
 - reports TaSQ's true bytes per token to ``DefaultPoolConfigurator`` (so
-  ``max_total_num_tokens`` grows by the compression ratio) and charges the window rings as
-  fixed overhead;
+  ``max_total_num_tokens`` grows by the compression ratio, plus each slot's exact-store index)
+  and charges the exact window store as fixed overhead, sized from ``--max-running-requests``;
+- cuts radix matches where a full-precision window entry is gone and hands recomputed entries
+  to the tree's slots on insert (:mod:`sglang_tasq.windows`);
 - refuses an empty prompt (zero tokens once tokenized: ``{"text": ""}``, an empty item of a
   batch, ``{"input_ids": [[]]}``; SGLang itself only refuses a flat ``{"input_ids": []}``)
   before ``TokenizerManager._validate_one_request``, with a ``ValueError`` that the HTTP
@@ -176,9 +178,7 @@ def _around_match_prefix(original, self, params, *args, **kwargs):
     needs are gone (evicted from the exact store): the rest is recomputed, never read from codes."""
     result = original(self, params, *args, **kwargs)
     P = int(getattr(result, "device_prefix_len", 0) or 0)
-    if not P or not launch.active():
-        return result
-    pool = _tasq_pool(self)
+    pool = _tasq_pool(self) if P else None
     if pool is None:
         return result
     slots = self.path_device_indices(result.last_device_node)[:P]

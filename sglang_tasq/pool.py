@@ -14,7 +14,7 @@ Full-precision windows follow the one rule of :mod:`sglang_tasq.windows` (a quer
 the exact bf16 copies live in an :class:`windows.ExactStore` keyed by slot (``exact.k[l]``,
 ``exact.v[l]`` ``[E + 1, H, d]``, ``exact.entry_of[slot]``), so they are shared through the radix
 cache exactly like the codes. ``E`` is sized for every request row SGLang can run at once
-(``window_rows()`` rows x (sink + 2 recent): a chunk's own window plus the prefix tail its
+(``window_ring_rows()`` rows x (sink + 2 recent): a chunk's own window plus the prefix tail its
 queries read) and charged to the memory budget by the plugin (:func:`window_bytes`); entries
 no live request needs stay in LRU order for later prefix matches, and a prefix match is cut
 where an entry it needs is gone (``plugin``'s match hook), so nothing is ever served from codes
@@ -133,7 +133,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if self.exact is None or getattr(self, "_attached", None) is req_to_token_pool:
             return
         cfg = self.tasq_config
-        need = req_to_token_pool.size * (cfg.sink_window + 2 * cfg.recent_window)
+        need = window_entries(cfg, req_to_token_pool.size)
         if need > self.exact.capacity:
             raise RuntimeError(
                 f"tasq: {req_to_token_pool.size} request rows need {need} full-precision window entries, the "

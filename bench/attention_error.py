@@ -30,8 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sglang_tasq.baselines import KVMethod
-from sglang_tasq.hf_cache import QuantizedKVCache
+from sglang_tasq.hf.baselines import KVMethod
+from sglang_tasq.hf.cache import QuantizedKVCache
 
 NAME = "tasq_decode_view"
 _ACTIVE: list = []

@@ -48,8 +48,8 @@ def _tasq_setup(art, B: int, ctx: int, share: bool):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from numba_kernels import cpu
-    from sglang_tasq import pool as pool_mod
-    from sglang_tasq.backend import TaSQAttnBackend
+    from sglang_tasq.srt import pool as pool_mod
+    from sglang_tasq.srt.backend import TaSQAttnBackend
 
     os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(B + 1)  # the exact store holds every request row
     pool_mod.runtime_artifact = lambda: art

@@ -2,7 +2,7 @@
 
 Names (``parse``):
 
-* closed-form: ``bf16``, ``fp8_e4m3``, ``kivi2`` (:mod:`sglang_tasq.baselines`);
+* closed-form: ``bf16``, ``fp8_e4m3``, ``kivi2`` (:mod:`sglang_tasq.hf.baselines`);
 * calibrated (one artifact each, made by ``python -m calibrate`` when missing): ``cq``
   (Coupled Quantization at TaSQ's rate), ``tasq`` and the ablations ``tasq_no_weighting``,
   ``tasq_no_shared_scale``, ``tasq_no_grouping``, ``tasq_no_fisher``,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sglang_tasq.baselines import BASELINES, Identity, KVMethod, baseline
+from sglang_tasq.hf.baselines import BASELINES, Identity, KVMethod, baseline
 from sglang_tasq.config import ABLATIONS
 
 REF_G, REF_K = 8, 1024
@@ -140,7 +140,7 @@ def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None) -
     if artifact is None:
         raise ValueError(f"method {spec.name} needs an artifact")
     from sglang_tasq.artifact import load_artifact
-    from sglang_tasq.hf_cache import TaSQKeys, TaSQValues
+    from sglang_tasq.hf.cache import TaSQKeys, TaSQValues
 
     cb = load_artifact(artifact, model=fingerprint).codebooks
     return KVMethod(TaSQKeys(cb) if spec.keys else Identity(), TaSQValues(cb) if spec.values else Identity(), spec.name)

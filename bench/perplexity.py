@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_tasq.baselines import KVMethod, baseline
+from sglang_tasq.hf.baselines import KVMethod, baseline
 
 from .attention_error import AttnStats, Probe, ProbeCache, active, use_decode_view
 

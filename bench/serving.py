@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from sglang_tasq.demo import _free_port, _get, stop_server, wait_ready
-from sglang_tasq.launch import model_config_dict
+from sglang_tasq.srt.launch import model_config_dict
 from sglang_tasq.models import fingerprint, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,10 +57,10 @@ def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int) -> dict:
     cells = {"bf16": (bf16, 0), "fp8": (bf16 // 2, 0)}
     if manifest is not None:
         from sglang_tasq.artifact import load_artifact
-        from sglang_tasq.pool import bytes_per_token, window_bytes
+        from sglang_tasq.srt.pool import bytes_per_token, window_bytes
 
         cfg = load_artifact(manifest).config
-        from sglang_tasq.plugin import SLOT_INDEX_BYTES
+        from sglang_tasq.srt.plugin import SLOT_INDEX_BYTES
 
         cells["tasq"] = (bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES,
                          window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows))

@@ -33,7 +33,7 @@ $PIP install -c "$CONS" --no-deps 'sglang==0.5.23' 'torchvision==0.28.0' 'llm-sm
 $PIP install --no-deps --no-build-isolation -e .
 # The CPU-torch compatibility shims must act in every process (SGLang spawns schedulers).
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import sglang_tasq._compat_shims as _s; _s.install()" > "$SITE/zz_sglang_tasq_shims.pth"
+echo "import sglang_tasq.srt._compat_shims as _s; _s.install()" > "$SITE/zz_sglang_tasq_shims.pth"
 rm -f "$CONS"
 touch "$STAMP"
 echo "setup: $VENV ready ($("$VENV/bin/python" -c 'import torch,sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'))"

@@ -95,7 +95,7 @@ def haystack(n_sentences: int = 60) -> str:
 
 def capacity(info: dict, art_path: Path) -> str:
     from .artifact import load_artifact
-    from .pool import bytes_per_token
+    from .srt.pool import bytes_per_token
 
     art = load_artifact(art_path)
     fp = art.model

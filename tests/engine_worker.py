@@ -36,7 +36,7 @@ def pick_artifact(tmp_dir: Path) -> tuple[Path, bool]:
     calibration of SmolLM2 cached under ``cache_dir("artifacts")`` (made once, ~6 min on 2 cores;
     the default, not the fast preset: the 2k needle test needs its quality).
     A calibration failure fails the caller: engine tests never fall back to random codebooks."""
-    from sglang_tasq.launch import TaSQLaunchError, load_checked_artifact
+    from sglang_tasq.srt.launch import TaSQLaunchError, load_checked_artifact
     from sglang_tasq.paths import cache_dir
 
     if REAL_ARTIFACT.is_file():
@@ -81,7 +81,7 @@ def reference_logprobs(codebooks, prompt_ids: list[int], out_ids: list[int], sin
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sglang_tasq.hf_cache import TaSQCache
+    from sglang_tasq.hf.cache import TaSQCache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16)
     model.eval()
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     else:
         os.environ.pop("SGLANG_TASQ_CONFIG", None)
     import sglang
-    from sglang_tasq.launch import TaSQLaunchError, refuse
+    from sglang_tasq.srt.launch import TaSQLaunchError, refuse
 
     kwargs = dict(device="cpu", disable_cuda_graph=True, mem_fraction_static=0.3, log_level="error")
     kwargs.update(spec.get("engine", {}))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from sglang_tasq import codec
-from sglang_tasq.backend import TaSQAttnBackend, _sdpa
+from sglang_tasq.srt.backend import TaSQAttnBackend, _sdpa
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.pool import TaSQTokenToKVPool
+from sglang_tasq.srt.pool import TaSQTokenToKVPool
 from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
 
@@ -139,7 +139,7 @@ def test_windowed_attention_matches_per_query_reference(Tq, S, sink, recent, blo
     j < sink or j >= i + 1 - recent, from the decoded ones otherwise), computed in query
     blocks, equals plain attention per query over its own mix of keys; with every key exact
     it is the all-exact SDPA path."""
-    from sglang_tasq.backend import _windowed_attention
+    from sglang_tasq.srt.backend import _windowed_attention
     from sglang_tasq.windows import query_window
 
     torch.manual_seed(Tq * S + sink + recent)

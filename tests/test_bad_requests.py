@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 from engine_worker import ROOT, model_dir  # noqa: E402
 
 from sglang_tasq.demo import _free_port, stop_server, wait_ready  # noqa: E402
-from sglang_tasq.plugin import EMPTY_PROMPT_MESSAGE  # noqa: E402
+from sglang_tasq.srt.plugin import EMPTY_PROMPT_MESSAGE  # noqa: E402
 
 NORMAL = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from sglang_tasq.baselines import (FP8_MAX, KIVIKeys, KIVIValues, FP8E4M3, Identity, KVMethod,
+from sglang_tasq.hf.baselines import (FP8_MAX, KIVIKeys, KIVIValues, FP8E4M3, Identity, KVMethod,
                                    SideQuantizer, baseline)
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.hf_cache import TaSQKeys, TaSQValues
+from sglang_tasq.hf.cache import TaSQKeys, TaSQValues
 from sglang_tasq.testing import random_codebooks
 
 

@@ -12,9 +12,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from bench import attention_error as ae
 from bench import methods as M
 from bench import perplexity, report, ruler
-from sglang_tasq.baselines import baseline
+from sglang_tasq.hf.baselines import baseline
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.hf_cache import QuantizedKVCache, TaSQCache
+from sglang_tasq.hf.cache import QuantizedKVCache, TaSQCache
 from sglang_tasq.testing import random_codebooks
 
 V = 128

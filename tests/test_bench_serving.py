@@ -30,7 +30,7 @@ def test_budget_tokens_and_requests_that_fit():
 @pytest.mark.skipif(not FAST.is_file(), reason="no calibrated artifact")
 def test_kv_cells_match_pool_sizing():
     from sglang_tasq.artifact import load_artifact
-    from sglang_tasq.pool import bytes_per_token, window_bytes
+    from sglang_tasq.srt.pool import bytes_per_token, window_bytes
 
     cells = serving.kv_cells(SMOL, FAST, window_rows=8)
     assert cells["bf16"] == (23040, 0) and cells["fp8"] == (11520, 0)

@@ -266,7 +266,7 @@ def test_decode_plan_reads_entries_through_a_view():
     got = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4)
     torch.testing.assert_close(got, _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25),
                                rtol=2e-5, atol=2e-5)
-    from sglang_tasq.fastpath import u16_view
+    from numba_kernels.fastpath import u16_view
 
     assert torch.equal(plan(q, k_rows.numpy(), v_rows.numpy(), tab, 0.25, u16_view(wk4), u16_view(wv4)), got)
     for bad in (entry_of.to(torch.int32), torch.stack([entry_of, entry_of], 1)[:, 0]):
@@ -315,7 +315,7 @@ def _tasq_pools(monkeypatch, window_rows: int, n: int = 2, req_rows: int | None 
 
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from sglang_tasq import pool as pool_mod
+    from sglang_tasq.srt import pool as pool_mod
 
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
@@ -342,7 +342,7 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(monkeypatch):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_tasq.backend import TaSQAttnBackend
+    from sglang_tasq.srt.backend import TaSQAttnBackend
 
     (pool,), r2t_pool = _tasq_pools(monkeypatch, window_rows=3, n=1, req_rows=3)
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t_pool, token_to_kv_pool=pool)

@@ -148,7 +148,7 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, artifact):
     same weights. The bf16 engine (torch_native) vs HF bf16 on the 1.1k-token prompt: max 0.062,
     mean 0.011 nats; TaSQ here: max 0.084, mean 0.020 (0.12 / 0.032 on the 1.1k one). Bounds:
     max 0.15, mean 0.05."""
-    from sglang_tasq.launch import load_checked_artifact
+    from sglang_tasq.srt.launch import load_checked_artifact
 
     art = load_checked_artifact(str(artifact), None)
     lp = numba_run["logprobs"][1]

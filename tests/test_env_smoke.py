@@ -25,7 +25,7 @@ def test_sglang_imports_and_pool_builds_in_a_fresh_process():
 def test_shims_act_only_without_cuda():
     import torch
 
-    from sglang_tasq import _compat_shims
+    from sglang_tasq.srt import _compat_shims
 
     assert _compat_shims._no_cuda() == (not torch.cuda.is_available())
 

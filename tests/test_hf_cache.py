@@ -5,9 +5,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sglang_tasq import codec
-from sglang_tasq.baselines import baseline
+from sglang_tasq.hf.baselines import baseline
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.hf_cache import QuantizedKVCache, TaSQCache, unrotate_keys
+from sglang_tasq.hf.cache import QuantizedKVCache, TaSQCache, unrotate_keys
 from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
 

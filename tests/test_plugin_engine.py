@@ -91,9 +91,9 @@ def test_without_config_the_plugin_does_nothing(base_run):
 def test_capacity_at_same_memory(tasq_run, base_run, artifact):
     """Tokens TaSQ fits in bf16's bytes (exact window store and slot index charged): >= 12x at a
     16 GiB budget."""
-    from sglang_tasq.launch import load_checked_artifact
-    from sglang_tasq.plugin import SLOT_INDEX_BYTES
-    from sglang_tasq.pool import bytes_per_token, window_bytes
+    from sglang_tasq.srt.launch import load_checked_artifact
+    from sglang_tasq.srt.plugin import SLOT_INDEX_BYTES
+    from sglang_tasq.srt.pool import bytes_per_token, window_bytes
 
     art = load_checked_artifact(str(artifact[0]), None)
     fp, cfg = art.model, art.config

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine_worker import ROOT, make_random_artifact, model_dir, run_worker
-from sglang_tasq.launch import TaSQLaunchError, validate
+from sglang_tasq.srt.launch import TaSQLaunchError, validate
 
 
 @pytest.fixture(scope="module")

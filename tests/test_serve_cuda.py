@@ -1,4 +1,4 @@
-"""The CUDA adapter (sglang_tasq.serve_cuda) vs the backend's CPU path, in the Numba CUDA simulator.
+"""The CUDA adapter (sglang_tasq.srt.serve_cuda) vs the backend's CPU path, in the Numba CUDA simulator.
 
 The simulator must be on before numba is imported, so the check runs this file as a child
 script (``NUMBA_ENABLE_CUDASIM=1 python tests/test_serve_cuda.py``), which prints one JSON line.
@@ -48,8 +48,8 @@ def _setup(window_rows: str):
     import torch
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from sglang_tasq import pool as pool_mod
-    from sglang_tasq.backend import TaSQAttnBackend
+    from sglang_tasq.srt import pool as pool_mod
+    from sglang_tasq.srt.backend import TaSQAttnBackend
     from sglang_tasq.config import TaSQConfig
     from sglang_tasq.testing import random_codebooks
 
@@ -80,7 +80,7 @@ def _sim_main() -> dict:
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_tasq.serve_cuda import TaSQCudaAdapter
+    from sglang_tasq.srt.serve_cuda import TaSQCudaAdapter
 
     (pool_a, pool_b), (be_a, be_b) = _setup("2")
     assert pool_a.exact.capacity == REQ_ROWS * (2 + 2 * 3)

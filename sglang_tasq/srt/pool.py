@@ -27,9 +27,10 @@ import os
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from . import codec, fastpath, windows
+from .. import codec, windows
+from numba_kernels import fastpath
 from .launch import runtime_artifact
-from .rope import apply_rope
+from ..rope import apply_rope
 
 
 def window_ring_rows() -> int:
@@ -118,7 +119,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
 
             self._encoder = PoolEncoder(self.codebooks)
         if str(self.device) == "cpu":
-            from .fastpath import u16_view
+            from numba_kernels.fastpath import u16_view
 
             self._np = {"k": [t.numpy() for t in self.k_buffer], "v": [t.numpy() for t in self.v_buffer],
                         "wk": [u16_view(t) for t in self.win_k] if self.win_k else None,
@@ -241,7 +242,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         doubling; the values of a position do not depend on m)."""
         tab = self._rope
         if tab is None or tab[0].shape[0] < n:
-            from .rope import cos_sin
+            from ..rope import cos_sin
 
             m = max(n, 2 * (tab[0].shape[0] if tab is not None else 0), 1024)
             cb = self.codebooks

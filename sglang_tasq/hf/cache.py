@@ -24,10 +24,11 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import codec, fastpath
+from .. import codec
+from numba_kernels import fastpath
 from .baselines import Identity, KVMethod, SideQuantizer
-from .codec import Codebooks
-from .rope import apply_rope, rotate
+from ..codec import Codebooks
+from ..rope import apply_rope, rotate
 
 
 _Nearest = fastpath.layer_nearest  # each layer's codebook prepared once (== codec.nearest_codeword up to float ties)

@@ -1,5 +1,5 @@
 """Closed-form KV quantizers (bf16, fp8 e4m3, KIVI-2) and the small protocol they share
-with TaSQ, so that one HF cache (:mod:`sglang_tasq.hf_cache`) runs any of them.
+with TaSQ, so that one HF cache (:mod:`sglang_tasq.hf.cache`) runs any of them.
 
 A :class:`KVMethod` is a pair of :class:`SideQuantizer` objects, one for keys and one for
 values. A side quantizer turns full-precision tokens ``x [T, H, d]`` into a *payload*
@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .codec import pack_codes, unpack_codes
+from ..codec import pack_codes, unpack_codes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

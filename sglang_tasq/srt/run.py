@@ -1,10 +1,10 @@
 """Run an SGLang module with the TaSQ plugin loaded first, so its parser accepts --tasq-config.
 
-``python -m sglang_tasq.run MODULE [ARGS...]``, e.g.::
+``python -m sglang_tasq.srt.run MODULE [ARGS...]``, e.g.::
 
-    python -m sglang_tasq.run sglang.benchmark.one_batch --model-path M --device cpu \\
+    python -m sglang_tasq.srt.run sglang.benchmark.one_batch --model-path M --device cpu \\
         --tasq-config artifacts/smollm2/tasq.json --batch-size 4 --input-len 256 --output-len 32
-    python -m sglang_tasq.run offline_throughput --model-path M --tasq-config A ...
+    python -m sglang_tasq.srt.run offline_throughput --model-path M --tasq-config A ...
 
 ``one_batch`` / ``offline_throughput`` build their parsers before SGLang loads plugins; here the
 plugins load first, ``--tasq-config PATH`` is taken out of argv and exported as

@@ -40,9 +40,9 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
-from . import windows
+from .. import windows
 from .backend import _sdpa, _windowed_attention
-from .rope import apply_rope, cos_sin, rotate
+from ..rope import apply_rope, cos_sin, rotate
 
 PLAN_KEY = "tasq_cuda_plan"
 ROPE_KEY = "tasq_cuda_rope"

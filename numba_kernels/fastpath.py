@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from . import codec
+from sglang_tasq import codec
 
 
 def cpu_kernels_enabled() -> bool:

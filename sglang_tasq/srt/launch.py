@@ -51,8 +51,8 @@ def model_config_dict(model_path: str) -> dict:
 
 def load_checked_artifact(path: str, model_path: Optional[str]):
     """Load the artifact at ``path`` (validated against the model when ``model_path`` is given)."""
-    from .artifact import ArtifactError, load_artifact
-    from .models import UnsupportedModelError, fingerprint
+    from ..artifact import ArtifactError, load_artifact
+    from ..models import UnsupportedModelError, fingerprint
 
     key = (str(path), str(model_path))
     if key in _cache:

@@ -15,7 +15,7 @@ decode, windows); ``SGLANG_TASQ_CPU_KERNELS=0`` selects the torch path below ins
 CPU path, extend (and decode without the kernels): per request, decode the codes of its ``P = S - Tq`` prefix tokens with the
 reference codec (:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..P-1``, append the
 chunk's post-RoPE keys and values, and run fp32 causal attention (queries ``[Tq, Hq, d]`` at
-positions ``P..S-1``). CUDA path: :class:`sglang_tasq.serve_cuda.TaSQCudaAdapter` (Numba
+positions ``P..S-1``). CUDA path: :class:`sglang_tasq.srt.serve_cuda.TaSQCudaAdapter` (Numba
 encode into the pool, split-K kernels of ``numba_kernels.ops`` over a compact view of it),
 dispatched in :meth:`TaSQAttnBackend._forward`.
 """
@@ -26,8 +26,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 import torch.nn.functional as F
 
-from . import windows
-from .rope import cos_sin, rotate
+from .. import windows
+from ..rope import cos_sin, rotate
 
 
 def _cuda_adapter(pool, req_to_token_pool):

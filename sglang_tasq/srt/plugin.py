@@ -1,4 +1,4 @@
-"""SGLang plugin entry point (``sglang.srt.plugins: tasq = sglang_tasq.plugin:load``).
+"""SGLang plugin entry point (``sglang.srt.plugins: tasq = sglang_tasq.srt.plugin:load``).
 
 ``load()`` runs in every SGLang process (launcher, Engine, schedulers, detokenizer). It:
 
@@ -6,7 +6,7 @@
 - adds ``--tasq-config PATH`` to SGLang's parser (``--help``) and, around
   ``prepare_server_args``, strips it, exports the path as ``SGLANG_TASQ_CONFIG`` (inherited by
   the spawned processes), selects the ``tasq`` backend, and validates everything
-  (:mod:`sglang_tasq.launch`) before any weights load: a refusal is one stderr line, exit 2;
+  (:mod:`sglang_tasq.srt.launch`) before any weights load: a refusal is one stderr line, exit 2;
 - before ``ServerArgs.resolve_once`` (every launcher, ``sglang.Engine`` included) runs the same
   validation (raising :class:`launch.TaSQLaunchError`) and selects the backend if unset;
 - returns :class:`pool.TaSQTokenToKVPool` from the platform's ``get_kv_pool_cls(kind="mha")``;

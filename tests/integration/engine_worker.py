@@ -1,7 +1,7 @@
 """Run a real ``sglang.Engine`` (CPU) in its own process and print JSON results.
 
 SGLang kills the parent of an engine that fails to start, so tests never start one in the
-pytest process: they run ``python tests/engine_worker.py SPEC.json`` and read the last stdout
+pytest process: they run ``python tests/integration/engine_worker.py SPEC.json`` and read the last stdout
 line (one JSON object). SPEC: ``{"engine": {Engine kwargs}, "tasq_config": path or null,
 "tasks": [{"op": "generate", "prompt": str or [str], "input_ids": optional, "sampling_params":
 {...}, "return_logprob": bool}, {"op": "flush"}, {"op": "info"}]}``. A launch refusal prints
@@ -20,8 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "engine_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "integration" / "engine_worker.py"
 REAL_ARTIFACT = ROOT / "artifacts" / "smollm2" / "tasq.json"
 
 

@@ -12,7 +12,7 @@ from sglang_tasq.srt.pool import TaSQTokenToKVPool
 from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
 
-REAL = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2" / "tasq.json"
+REAL = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2" / "tasq.json"
 
 
 def _real_or_random():

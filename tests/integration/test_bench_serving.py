@@ -7,7 +7,7 @@ import pytest
 
 from bench import niah, ruler_client, serving
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOL = Path.home() / ".cache" / "sglang-tasq" / "models" / "SmolLM2-135M-Instruct"
 FAST = ROOT / "artifacts" / "smollm2-fast" / "tasq.json"
 needs_model = pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="SmolLM2 not materialized")

@@ -1,7 +1,7 @@
 """The CUDA adapter (sglang_tasq.srt.serve_cuda) vs the backend's CPU path, in the Numba CUDA simulator.
 
 The simulator must be on before numba is imported, so the check runs this file as a child
-script (``NUMBA_ENABLE_CUDASIM=1 python tests/test_serve_cuda.py``), which prints one JSON line.
+script (``NUMBA_ENABLE_CUDASIM=1 python tests/kernels/test_serve_cuda.py``), which prints one JSON line.
 Setup: a real TaSQTokenToKVPool on CPU (head_dim 16, 2 layers, 2 KV heads, GQA 2, sink 2,
 recent 3, fp16-exact random codebooks) with its slot-keyed exact store, three ragged requests
 (1 starts on request 0's first 4 slots, a radix-shared prefix whose exact entries are request
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REQ_ROWS = 4  # ReqToTokenPool size of _setup
 
 

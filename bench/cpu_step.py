@@ -29,7 +29,9 @@ import time
 import types
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from sglang_tasq.options import ServeOptions, passive_omp
+
+passive_omp()  # before torch starts OpenMP
 
 import torch  # noqa: E402
 
@@ -51,10 +53,10 @@ def _tasq_setup(art, B: int, ctx: int, share: bool):
     from sglang_tasq.srt import pool as pool_mod
     from sglang_tasq.srt.backend import TaSQAttnBackend
 
-    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(B + 1)  # the exact store holds every request row
-    pool_mod.runtime_artifact = lambda: art
+    opts = ServeOptions(window_rows=B + 1)  # the exact store holds every request row
     pool = pool_mod.TaSQTokenToKVPool(size=B * (ctx + 8) + 8, page_size=1, dtype=torch.bfloat16, head_num=H,
-                                      head_dim=D, layer_num=L, device="cpu", enable_memory_saver=False)
+                                      head_dim=D, layer_num=L, device="cpu", enable_memory_saver=False,
+                                      artifact=art, options=opts)
     r2t = ReqToTokenPool(size=B + 1, max_context_len=ctx + 8, device="cpu", enable_memory_saver=False)
     be = TaSQAttnBackend(types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool))
     if not share:  # the decode kernel's own copy of every layer's tables

@@ -16,9 +16,9 @@ run alone) leaves it as it is.
 """
 from __future__ import annotations
 
-import os
+from sglang_tasq.options import passive_omp  # noqa: E402
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: no spinning on shared cores
+passive_omp()  # before torch starts OpenMP: no spinning on shared cores
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

@@ -1,7 +1,8 @@
-import os
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+from sglang_tasq.options import passive_omp  # noqa: E402
+
+passive_omp()  # before torch starts OpenMP
 
 from .cli import main  # noqa: E402
 

@@ -52,6 +52,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterator, Optional
 
+from sglang_tasq.options import default_env
 from sglang_tasq.paths import cache_dir
 
 CORPUS_VERSION = "v1"
@@ -235,7 +236,7 @@ def load_corpus(name: str, split: str):
     """``name`` in {'wiki', 'code'}, ``split`` in {'train', 'heldout'} -> ``datasets.Dataset``
     with columns ``title`` (article title / stdlib relative path) and ``text``."""
     _check(name, split)
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    default_env("HF_DATASETS_OFFLINE", "1")  # the corpora are local files: never ask the hub
     import datasets
 
     path = _jsonl(name, split)

@@ -10,7 +10,7 @@ Three launches per call (see :func:`numba_kernels.ops.encode_kv`):
    token, builds its tailored vector ``x = (k * w)[perm] / s`` and scans the codebook for
    the first minimum of ``||c||^2 - 2 x.c``. Codes go to an int32 scratch [T, H*G].
 3. ``pack``: one block per token writes the little-endian bit streams of its key and value
-   codes (codec.pack_codes on codes.view(T, H*G)) into ``k_codes[loc[t]]``/``v_codes[loc[t]]``.
+   codes (packing.pack_codes on codes.view(T, H*G)) into ``k_codes[loc[t]]``/``v_codes[loc[t]]``.
 
 Factories are cached per static shape and dtype; each returns a :class:`KernelSpec`.
 """

@@ -1,26 +1,28 @@
-"""Dispatch between the Numba CPU kernels and the plain-torch codec for the CPU hot paths
+"""Dispatch between the Numba CPU kernels and the plain-torch reference for the CPU hot paths
 (nearest codeword, bit packing) of the SGLang pool and the HF cache.
 
-``SGLANG_TASQ_CPU_KERNELS=0`` selects the torch implementations (:mod:`sglang_tasq.codec`);
-otherwise :mod:`numba_kernels.cpu` is used. Both are tested against each other.
+``kernels=False`` (``SGLANG_TASQ_CPU_KERNELS=0``, read by :mod:`sglang_tasq.options`) selects the
+torch implementations (:mod:`sglang_tasq.codec`, :mod:`sglang_tasq.packing`); otherwise
+:mod:`numba_kernels.cpu` is used on CPU tensors. Both are tested against each other.
 """
 from __future__ import annotations
 
-import os
+from typing import Optional
 
 import torch
 
-from sglang_tasq import codec
+from sglang_tasq import codec, packing
+from sglang_tasq.options import ServeOptions
 
 
-def cpu_kernels_enabled() -> bool:
-    """Numba CPU kernels on (env ``SGLANG_TASQ_CPU_KERNELS``, default 1)."""
-    return os.environ.get("SGLANG_TASQ_CPU_KERNELS", "1") != "0"
+def kernels_default() -> bool:
+    """The process's choice (``SGLANG_TASQ_CPU_KERNELS``, default on)."""
+    return ServeOptions.from_env().cpu_kernels
 
 
-def layer_nearest(make_codebook):
+def layer_nearest(make_codebook, kernels: Optional[bool] = None):
     """Per-layer nearest-codeword search: ``f(x [T, H, G, g], layer) -> codes [T, H, G]``."""
-    if cpu_kernels_enabled():
+    if kernels_default() if kernels is None else kernels:
         from numba_kernels import cpu
 
         cpu.set_threads()
@@ -28,20 +30,34 @@ def layer_nearest(make_codebook):
     return codec.LayerNearest(make_codebook)
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    if cpu_kernels_enabled() and codes.device.type == "cpu":
-        from numba_kernels import cpu
+def packer(kernels: Optional[bool] = None):
+    """``pack(codes [T, n], bits) -> [T, bytes] uint8`` (== :func:`packing.pack_codes`)."""
+    if not (kernels_default() if kernels is None else kernels):
+        return packing.pack_codes
 
-        return cpu.pack(codes, bits)
-    return codec.pack_codes(codes, bits)
+    def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+        if codes.device.type == "cpu":
+            from numba_kernels import cpu
+
+            return cpu.pack(codes, bits)
+        return packing.pack_codes(codes, bits)
+
+    return pack
 
 
-def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    if cpu_kernels_enabled() and packed.device.type == "cpu":
-        from numba_kernels import cpu
+def unpacker(kernels: Optional[bool] = None):
+    """``unpack(packed, n, bits) -> codes [T, n] int64`` (== :func:`packing.unpack_codes`)."""
+    if not (kernels_default() if kernels is None else kernels):
+        return packing.unpack_codes
 
-        return cpu.unpack(packed, n, bits)
-    return codec.unpack_codes(packed, n, bits)
+    def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        if packed.device.type == "cpu":
+            from numba_kernels import cpu
+
+            return cpu.unpack(packed, n, bits)
+        return packing.unpack_codes(packed, n, bits)
+
+    return unpack
 
 
 def u16_view(t: torch.Tensor):

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from sglang_tasq import codec
+from sglang_tasq import codec, packing
 from sglang_tasq.rope import apply_rope
 
 from .tables import LayerTables
@@ -29,8 +29,8 @@ def encode_kv_ref(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, tables: L
     kc, scale = codec.encode_keys(k.float().cpu(), cb, 0)
     vc = codec.encode_values(v.float().cpu(), cb, 0)
     idx = loc.long().to(k_codes.device)
-    k_codes[idx] = codec.pack_codes(kc.view(T, -1), cfg.code_bits_k).to(k_codes.device)
-    v_codes[idx] = codec.pack_codes(vc.view(T, -1), cfg.code_bits_v).to(v_codes.device)
+    k_codes[idx] = packing.pack_codes(kc.view(T, -1), cfg.code_bits_k).to(k_codes.device)
+    v_codes[idx] = packing.pack_codes(vc.view(T, -1), cfg.code_bits_v).to(v_codes.device)
     if scale is not None:
         k_scale[idx] = scale.to(k_scale.device)
 
@@ -39,8 +39,8 @@ def _request_cache(tables, cb, slots, k_codes, v_codes, k_scale):
     """Unpacked codes [n, H, G] and scales of the cached tokens at ``slots``."""
     cfg, H = tables.config, tables.num_kv_heads
     n = slots.numel()
-    kc = codec.unpack_codes(k_codes[slots].cpu(), H * tables.k_groups, cfg.code_bits_k).view(n, H, tables.k_groups)
-    vc = codec.unpack_codes(v_codes[slots].cpu(), H * tables.v_groups, cfg.code_bits_v).view(n, H, tables.v_groups)
+    kc = packing.unpack_codes(k_codes[slots].cpu(), H * tables.k_groups, cfg.code_bits_k).view(n, H, tables.k_groups)
+    vc = packing.unpack_codes(v_codes[slots].cpu(), H * tables.v_groups, cfg.code_bits_v).view(n, H, tables.v_groups)
     scale = None if cfg.scale == "none" else k_scale[slots].cpu()
     return kc, vc, scale
 

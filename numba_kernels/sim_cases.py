@@ -8,9 +8,9 @@ the simulator runs one block at a time as Python threads.
 """
 from __future__ import annotations
 
-import os
+from sglang_tasq.options import set_env
 
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+set_env("NUMBA_ENABLE_CUDASIM", "1")
 
 import json  # noqa: E402
 import math  # noqa: E402
@@ -20,7 +20,7 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-from sglang_tasq import codec  # noqa: E402
+from sglang_tasq import codec, packing  # noqa: E402
 from sglang_tasq.config import TaSQConfig  # noqa: E402
 from sglang_tasq.testing import random_codebooks  # noqa: E402
 
@@ -53,12 +53,12 @@ def case_encode(H, d, K, g, scale, T, kind, loc_dtype, seed=0, **kw):
     if scale != "none":
         ds = (got["k_scale"][li].float() - want["k_scale"][li].float()).abs()
         assert (ds <= 1e-3 * want["k_scale"][li].float()).all(), f"scale mismatch {ds.max()}"
-    vc = codec.unpack_codes(got["v_codes"][li], H * (d // g), cfg.code_bits_v)
+    vc = packing.unpack_codes(got["v_codes"][li], H * (d // g), cfg.code_bits_v)
     assert (vc[0] == K - 1).all(), "max code K-1 not reproduced"
     for name, bits, x, tcb in (("k", cfg.code_bits_k, codec.key_tailor(k, cb, 0)[0], cb.tailored_k_codebook(0)),
                                ("v", cfg.code_bits_v, v.float().view(T, H, d // g, g), cb.v_codebook[0])):
-        a = codec.unpack_codes(got[f"{name}_codes"][li], H * (d // g), bits).view(T, H, -1)
-        b = codec.unpack_codes(want[f"{name}_codes"][li], H * (d // g), bits).view(T, H, -1)
+        a = packing.unpack_codes(got[f"{name}_codes"][li], H * (d // g), bits).view(T, H, -1)
+        b = packing.unpack_codes(want[f"{name}_codes"][li], H * (d // g), bits).view(T, H, -1)
         diff = a != b
         if diff.any():  # near-ties only: both codewords at (numerically) equal distance
             hh = torch.arange(H).view(1, H, 1).expand_as(a)
@@ -83,7 +83,7 @@ def _cache(tb, lens, seed, full_kind):
                              ("v", tb.v_groups, tb.v_cb.shape[2], cfg.code_bits_v)):
         codes = torch.randint(0, K, (S, H * G), generator=gen)
         codes[:: 3] = K - 1
-        pool[f"{name}_codes"].copy_(codec.pack_codes(codes, bits))
+        pool[f"{name}_codes"].copy_(packing.pack_codes(codes, bits))
     if cfg.scale != "none":
         pool["k_scale"].copy_((torch.rand(pool["k_scale"].shape, generator=gen) + 0.5).half())
     kf = torch.randn(S, H, d, generator=gen).to(DT[full_kind])

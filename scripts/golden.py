@@ -43,6 +43,7 @@ def _codec_and_kernels(out: dict) -> None:
     from sglang_tasq.rope import cos_sin
 
     cpu = _mod("numba_kernels.cpu")
+    pk = _mod("sglang_tasq.packing", "sglang_tasq.codec")
     art = load_artifact(ARTIFACT)
     cb, cfg = art.codebooks, art.config
     H, d = cb.num_kv_heads, cb.head_dim
@@ -57,8 +58,8 @@ def _codec_and_kernels(out: dict) -> None:
         out[f"ref.L{layer}.scale"] = scale
         out[f"ref.L{layer}.kcodes"] = kc
         out[f"ref.L{layer}.vcodes"] = vc
-        out[f"ref.L{layer}.kpacked"] = codec.pack_codes(kc.reshape(53, -1), cfg.code_bits_k)
-        out[f"ref.L{layer}.vpacked"] = codec.pack_codes(vc.reshape(53, -1), cfg.code_bits_v)
+        out[f"ref.L{layer}.kpacked"] = pk.pack_codes(kc.reshape(53, -1), cfg.code_bits_k)
+        out[f"ref.L{layer}.vpacked"] = pk.pack_codes(vc.reshape(53, -1), cfg.code_bits_v)
         out[f"ref.L{layer}.kdec"] = codec.decode_keys(kc, scale, cb, layer)
         out[f"ref.L{layer}.vdec"] = codec.decode_values(vc, cb, layer)
         out[f"numba.L{layer}.kcodes"] = cpu.nearest(x, cpu.prepare(cb.tailored_k_codebook(layer)))
@@ -67,13 +68,13 @@ def _codec_and_kernels(out: dict) -> None:
     # fused pool encoder (decode-step and prefill paths) into zeroed pool rows
     enc = cpu.PoolEncoder(cb)
     Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
-    kb = codec.packed_row_bytes(H * Gk, cfg.code_bits_k)
+    kb = pk.packed_row_bytes(H * Gk, cfg.code_bits_k)
     sbytes = {"shared": 2, "per_head": 2 * H, "none": 0}[cfg.scale]
     cos, sin = cos_sin(torch.arange(4096), cb.inv_freq, cb.attention_scaling)
     for T in (5, 100):
         rows = 256
         k_rows = torch.zeros(rows, kb + sbytes, dtype=torch.uint8)
-        v_rows = torch.zeros(rows, codec.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
+        v_rows = torch.zeros(rows, pk.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
         kp = torch.randn(T, H, d, generator=gen).to(torch.bfloat16)
         vv = torch.randn(T, H, d, generator=gen).to(torch.bfloat16)
         pos = torch.randperm(3000, generator=gen)[:T]
@@ -96,13 +97,13 @@ def _codec_and_kernels(out: dict) -> None:
     x, scale = codec.key_tailor(k_pre, cb, layer)
     kc = codec.nearest_codeword(x, cb.tailored_k_codebook(layer))
     vc = codec.encode_values(v, cb, layer)
-    krow = codec.pack_codes(kc.reshape(total, -1), cfg.code_bits_k)
+    krow = pk.pack_codes(kc.reshape(total, -1), cfg.code_bits_k)
     if scale is not None:
         krow = torch.cat([krow, scale.reshape(total, -1).contiguous().view(torch.uint8)], 1)
     k_rows = torch.zeros(rows, krow.shape[1], dtype=torch.uint8)
-    v_rows = torch.zeros(rows, codec.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
+    v_rows = torch.zeros(rows, pk.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
     k_rows[slots] = krow
-    v_rows[slots] = codec.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
+    v_rows[slots] = pk.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
     sink, recent = cfg.sink_window, cfg.recent_window
     keep = []
     for b, S in enumerate(seq_lens):

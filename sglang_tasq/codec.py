@@ -248,40 +248,6 @@ def decode_values(codes: torch.Tensor, cb: Codebooks, layer: int) -> torch.Tenso
     return _gather_codewords(codes, cb.v_codebook[layer])
 
 
-# ---- packing ------------------------------------------------------------------------------
-def packed_row_bytes(num_codes: int, bits: int) -> int:
-    return (num_codes * bits + 7) // 8
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [T, n] int (< 2**bits) -> packed [T, ceil(n*bits/8)] uint8.
-
-    Little-endian bit stream per token: code i occupies bits [i*bits, (i+1)*bits) of the
-    row, bit b of the row is bit (b % 8) of byte b // 8.
-    """
-    T, n = codes.shape
-    if codes.numel() and (codes.min() < 0 or codes.max() >= (1 << bits)):
-        raise ValueError(f"codes out of range for {bits}-bit packing")
-    shifts = torch.arange(bits, dtype=torch.int64)
-    bitstream = ((codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(T, n * bits)
-    nbytes = packed_row_bytes(n, bits)
-    pad = nbytes * 8 - n * bits
-    if pad:
-        bitstream = torch.nn.functional.pad(bitstream, (0, pad))
-    weights = (1 << torch.arange(8, dtype=torch.int64))
-    return (bitstream.view(T, nbytes, 8) * weights).sum(-1).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """packed [T, nbytes] uint8 -> codes [T, n] int64 (inverse of :func:`pack_codes`)."""
-    T, nbytes = packed.shape
-    if nbytes != packed_row_bytes(n, bits):
-        raise ValueError(f"packed rows have {nbytes} bytes, {n} codes of {bits} bits need {packed_row_bytes(n, bits)}")
-    bitstream = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1).reshape(T, nbytes * 8)
-    bitstream = bitstream[:, : n * bits].view(T, n, bits)
-    return (bitstream << torch.arange(bits, dtype=torch.int64)).sum(-1)
-
-
 # ---- attention over codes -----------------------------------------------------------------
 def attention_over_codes(q: torch.Tensor, q_positions: torch.Tensor, k_codes: torch.Tensor, k_scale,
                          v_codes: torch.Tensor, kv_positions: torch.Tensor, cb: Codebooks, layer: int,

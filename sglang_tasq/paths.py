@@ -4,12 +4,12 @@
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from .options import cache_root
 
 
 def cache_dir(*parts: str) -> Path:
-    root = Path(os.environ.get("TASQ_CACHE", Path.home() / ".cache" / "sglang-tasq"))
-    p = root.joinpath(*parts)
+    p = cache_root().joinpath(*parts)
     p.mkdir(parents=True, exist_ok=True)
     return p

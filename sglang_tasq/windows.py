@@ -57,6 +57,27 @@ def exact_prefix_limit(has_exact: torch.Tensor, sink: int, recent: int) -> int:
     return int(torch.nonzero(ok)[-1])
 
 
+#: bytes per KV slot of the exact store's slot -> entry index (int64), charged with the codes
+SLOT_INDEX_BYTES = 8
+
+
+def store_entries(sink: int, recent: int, rows: int) -> int:
+    """Entries of the exact store for ``rows`` concurrently running requests: each needs its
+    sink, its own recent window, and (during an extend) the recent tail of the prefix before
+    its chunk, so ``sink + 2 * recent``; 0 without windows."""
+    if sink + recent == 0:
+        return 0
+    return max(1, int(rows)) * (sink + 2 * recent)
+
+
+def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int) -> int:
+    """Bytes of the exact store for ``rows`` running requests: bf16 keys + values of every layer
+    plus owner and stamp per entry, and its free list (the per-slot index is
+    :data:`SLOT_INDEX_BYTES`, charged per token slot)."""
+    E = store_entries(cfg.sink_window, cfg.recent_window, rows)
+    return (E + 1) * (2 * num_kv_heads * head_dim * 2 * num_layers + 16) + E * 8
+
+
 class ExactStoreFull(RuntimeError):
     """More window entries are pinned by live requests than the store holds."""
 

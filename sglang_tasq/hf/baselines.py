@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..codec import pack_codes, unpack_codes
+from ..packing import pack_codes, unpack_codes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

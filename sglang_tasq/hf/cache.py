@@ -39,14 +39,17 @@ class _TaSQSide:
 
     block, exact = 1, False
 
-    def _pack(self, codes: torch.Tensor, bits: int) -> dict:
-        return {"codes": fastpath.pack(codes.reshape(codes.shape[0], -1), bits)}
+    def __init__(self):
+        # Numba kernels or plain torch, chosen once (SGLANG_TASQ_CPU_KERNELS), tested equal
+        self.pack_fn, self.unpack_fn = fastpath.packer(), fastpath.unpacker()
 
-    @staticmethod
-    def _unpack(payload: dict, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    def _pack(self, codes: torch.Tensor, bits: int) -> dict:
+        return {"codes": self.pack_fn(codes.reshape(codes.shape[0], -1), bits)}
+
+    def _unpack(self, payload: dict, codebook: torch.Tensor, bits: int) -> torch.Tensor:
         H, G = codebook.shape[1:3]
         T = payload["codes"].shape[0]
-        return fastpath.unpack(payload["codes"], H * G, bits).view(T, H, G)
+        return self.unpack_fn(payload["codes"], H * G, bits).view(T, H, G)
 
 
 class TaSQKeys(_TaSQSide):
@@ -56,6 +59,7 @@ class TaSQKeys(_TaSQSide):
     pre_rope = True
 
     def __init__(self, cb: Codebooks, name: str = "tasq"):
+        super().__init__()
         self.cb, self.name, self.nearest = cb, name, _Nearest(cb.tailored_k_codebook)
         self.inv_freq, self.attention_scaling = cb.inv_freq, cb.attention_scaling
 
@@ -78,6 +82,7 @@ class TaSQValues(_TaSQSide):
     pre_rope = False
 
     def __init__(self, cb: Codebooks, name: str = "tasq"):
+        super().__init__()
         self.cb, self.name, self.nearest = cb, name, _Nearest(lambda layer: cb.v_codebook[layer])
 
     def encode(self, x, layer, state):

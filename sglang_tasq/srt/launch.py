@@ -11,12 +11,11 @@ one line; :func:`refuse` prints it on stderr and exits with status 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
-ENV_CONFIG = "SGLANG_TASQ_CONFIG"  # path of tasq.json, set by the launcher, read everywhere
+from ..options import ENV_CONFIG, ServeOptions  # noqa: F401 (ENV_CONFIG: the name in messages)
 BACKEND_NAME = "tasq"
 SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16")
 SUPPORTED_PAGE_SIZES = (None, 1)
@@ -30,8 +29,7 @@ class TaSQLaunchError(ValueError):
 
 def config_path() -> Optional[str]:
     """The active artifact path, or None when TaSQ is off (the plugin then does nothing)."""
-    p = os.environ.get(ENV_CONFIG, "").strip()
-    return p or None
+    return ServeOptions.from_env().config_path
 
 
 def active() -> bool:

@@ -27,8 +27,8 @@ Without the config (env var unset) every other hook passes straight through.
 from __future__ import annotations
 
 import logging
-import os
 
+from .. import options, windows
 from . import launch
 
 logger = logging.getLogger("sglang_tasq")
@@ -81,7 +81,7 @@ def split_tasq_flag(argv: list) -> tuple[list, str | None]:
 def _around_prepare_server_args(original, argv, *args, **kwargs):
     argv, path = split_tasq_flag(list(argv))
     if path is not None:
-        os.environ[launch.ENV_CONFIG] = os.path.abspath(path)
+        options.export_config_path(path)
         if not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in argv):
             argv += ["--attention-backend", launch.BACKEND_NAME]
     try:
@@ -109,29 +109,40 @@ def _before_resolve(server_args, *args, **kwargs):
 
 
 def _size_windows(server_args) -> None:
-    """The exact window store holds the windows of every request that can run at once: size it
-    from ``--max-running-requests`` (set to ``SGLANG_TASQ_WINDOW_ROWS``, default 128, when not
-    given), refuse a limit above an explicit ``SGLANG_TASQ_WINDOW_ROWS``; exported to the spawned
-    processes, where the pool and the pool-size hook read it."""
-    from .pool import window_ring_rows
-
-    env = os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "").strip()
+    """The exact window store holds the windows of every request that can run at once: it is
+    sized from ``--max-running-requests``, which is set to ``SGLANG_TASQ_WINDOW_ROWS`` (default
+    128) when not given; a limit above an explicit ``SGLANG_TASQ_WINDOW_ROWS`` is refused. The
+    server args travel to the spawned processes, where :func:`_served_options` reads the limit."""
+    try:
+        opts = options.ServeOptions.from_env()
+    except options.OptionError as e:
+        raise launch.TaSQLaunchError(str(e)) from None
     mrr = getattr(server_args, "max_running_requests", None)
     if mrr is None:
-        server_args.max_running_requests = rows = window_ring_rows()
-    elif env and int(mrr) > int(env):
+        server_args.max_running_requests = opts.rows()
+    elif opts.window_rows is not None and int(mrr) > opts.window_rows:
         raise launch.TaSQLaunchError(
-            f"tasq: --max-running-requests {mrr} exceeds SGLANG_TASQ_WINDOW_ROWS={env}, the requests whose "
-            f"full-precision windows the store holds; raise SGLANG_TASQ_WINDOW_ROWS or lower the limit")
-    else:
-        rows = int(env) if env else int(mrr)
-    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(rows)
+            f"tasq: --max-running-requests {mrr} exceeds SGLANG_TASQ_WINDOW_ROWS={opts.window_rows}, the requests "
+            f"whose full-precision windows the store holds; raise SGLANG_TASQ_WINDOW_ROWS or lower the limit")
+
+
+def _served_options() -> options.ServeOptions:
+    """This serving process's options: the environment's, with the exact store sized for the
+    resolved ``--max-running-requests`` (set by :func:`_size_windows` in the launcher)."""
+    import dataclasses
+
+    from sglang.srt.runtime_context import get_server_args
+
+    opts = options.ServeOptions.from_env()
+    sa = get_server_args()
+    mrr = getattr(sa, "max_running_requests", None) if sa is not None else None
+    return dataclasses.replace(opts, window_rows=int(mrr) if mrr else opts.rows())
 
 
 def _around_engine_init(original, self, *args, **kwargs):
     path = kwargs.pop("tasq_config", None)
     if path is not None:
-        os.environ[launch.ENV_CONFIG] = os.path.abspath(str(path))
+        options.export_config_path(path)
     if launch.active() and "server_args" not in kwargs and kwargs.get("attention_backend") is None:
         kwargs["attention_backend"] = launch.BACKEND_NAME
     return original(self, *args, **kwargs)
@@ -140,37 +151,34 @@ def _around_engine_init(original, self, *args, **kwargs):
 # ---- pool --------------------------------------------------------------------------------------
 def _around_get_kv_pool_cls(original, self, *args, kind=None, **kwargs):
     if launch.active() and kind == "mha":
-        from .pool import TaSQTokenToKVPool
+        from .pool import bind
 
-        return TaSQTokenToKVPool
+        return bind(launch.runtime_artifact(), _served_options())
     return original(self, *args, kind=kind, **kwargs)
 
 
 def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
     if not launch.active():
         return original(self, kvc, num_layers, *args, **kwargs)
-    from .pool import bytes_per_token
+    from ..packing import bytes_per_token
 
     art = launch.runtime_artifact()
     fp = art.model
     # + the slot's exact-store entry index (int64)
-    return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers)) + SLOT_INDEX_BYTES
+    return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers)) + windows.SLOT_INDEX_BYTES
 
 
 def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
     if not launch.active():
         return None
-    from .pool import window_bytes, window_ring_rows
-
     art = launch.runtime_artifact()
     fp = art.model
-    extra = window_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_ring_rows())
+    extra = windows.store_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, _served_options().rows())
     self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra
     return None
 
 
 # ---- radix cache -------------------------------------------------------------------------------
-SLOT_INDEX_BYTES = 8
 
 
 def _around_match_prefix(original, self, params, *args, **kwargs):

@@ -14,76 +14,53 @@ Full-precision windows follow the one rule of :mod:`sglang_tasq.windows` (a quer
 the exact bf16 copies live in an :class:`windows.ExactStore` keyed by slot (``exact.k[l]``,
 ``exact.v[l]`` ``[E + 1, H, d]``, ``exact.entry_of[slot]``), so they are shared through the radix
 cache exactly like the codes. ``E`` is sized for every request row SGLang can run at once
-(``window_ring_rows()`` rows x (sink + 2 recent): a chunk's own window plus the prefix tail its
-queries read) and charged to the memory budget by the plugin (:func:`window_bytes`); entries
+(``options.rows()`` requests x (sink + 2 recent): a chunk's own window plus the prefix tail its
+queries read) and charged to the memory budget by the plugin (:func:`windows.store_bytes`); entries
 no live request needs stay in LRU order for later prefix matches, and a prefix match is cut
 where an entry it needs is gone (``plugin``'s match hook), so nothing is ever served from codes
 that the rule says is exact.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
-from .. import codec, windows
 from numba_kernels import fastpath
-from .launch import runtime_artifact
+
+from .. import codec, packing, windows
+from ..options import ServeOptions
 from ..rope import apply_rope
 
 
-def window_ring_rows() -> int:
-    """How many requests can run with their windows at once (``SGLANG_TASQ_WINDOW_ROWS``, default
-    128; the plugin sets it from ``--max-running-requests`` and caps that limit to it)."""
-    return int(os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "128"))
+def bind(artifact, options: ServeOptions) -> type:
+    """The pool class handed to SGLang's KV configurator (which instantiates the class it gets,
+    with its own arguments), with this artifact and these options bound."""
 
+    class BoundTaSQTokenToKVPool(TaSQTokenToKVPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, artifact=artifact, options=options, **kwargs)
 
-def window_entries(cfg, rows: int | None = None) -> int:
-    """Entries of the exact store for ``rows`` concurrently running requests."""
-    rows = window_ring_rows() if rows is None else rows
-    if cfg.sink_window + cfg.recent_window == 0:
-        return 0
-    return max(1, rows) * (cfg.sink_window + 2 * cfg.recent_window)
-
-
-def scale_bytes(cfg, num_kv_heads: int) -> int:
-    return {"shared": 2, "per_head": 2 * num_kv_heads, "none": 0}[cfg.scale]
-
-
-def row_bytes(cfg, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(key row bytes incl. scale, value row bytes) per token per layer."""
-    gk, gv = head_dim // cfg.group_size_k, head_dim // cfg.group_size_v
-    kb = codec.packed_row_bytes(num_kv_heads * gk, cfg.code_bits_k) + scale_bytes(cfg, num_kv_heads)
-    vb = codec.packed_row_bytes(num_kv_heads * gv, cfg.code_bits_v)
-    return kb, vb
-
-
-def bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
-    """The pool's true cost per token slot over all layers (codes + scale)."""
-    kb, vb = row_bytes(cfg, num_kv_heads, head_dim)
-    return (kb + vb) * num_layers
-
-
-def window_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, req_rows: int) -> int:
-    """Bytes of the exact store (bf16 keys + values of every layer, owner and stamp per entry)
-    for ``req_rows`` concurrently running requests (the per-slot entry index is in :meth:`slot_bytes`)."""
-    E = window_entries(cfg, req_rows)
-    return (E + 1) * (2 * num_kv_heads * head_dim * 2 * num_layers + 16) + E * 8
+    return BoundTaSQTokenToKVPool
 
 
 class TaSQTokenToKVPool(MHATokenToKVPool):
-    """MHATokenToKVPool whose per-slot storage is packed TaSQ codes (see module docstring)."""
+    """MHATokenToKVPool whose per-slot storage is packed TaSQ codes (see module docstring).
+
+    ``artifact``: the loaded, validated artifact (codebooks + config); ``options``: the
+    :class:`ServeOptions` of this server (``options.rows()`` requests' windows in the exact
+    store, ``options.cpu_kernels``); the rest are SGLang's ``MHATokenToKVPool`` arguments."""
+
+    def __init__(self, *args, artifact, options: ServeOptions, **kwargs):
+        self.artifact, self.options = artifact, options
+        super().__init__(*args, **kwargs)
 
     def _create_buffers(self):
-        art = runtime_artifact()
+        art = self.artifact
         self.codebooks = art.codebooks
         self.tasq_config = cfg = art.config
         H, d = self.head_num, self.head_dim
         self.gk, self.gv = d // cfg.group_size_k, d // cfg.group_size_v
-        self.code_bytes_k = codec.packed_row_bytes(H * self.gk, cfg.code_bits_k)
-        self.scale_bytes = scale_bytes(cfg, H)
-        self.code_bytes_v = codec.packed_row_bytes(H * self.gv, cfg.code_bits_v)
+        self.code_bytes_k, self.scale_bytes, self.code_bytes_v = packing.row_bytes(cfg, H, d)
         self.store_dtype = torch.uint8
         rows = self.size + self.page_size
         for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
@@ -99,7 +76,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.win_k = self.win_v = None
         self._live = {}  # request row -> (lo, kv length): positions < sink and in [lo, length) are pinned
         self._np = {}  # numpy views of long-lived buffers, made once here (never looked up by id())
-        E = window_entries(cfg)
+        E = windows.store_entries(cfg.sink_window, cfg.recent_window, self.options.rows())
         if self.window:
             with self.memory_saver_adapter.region("kv_cache"):
                 self.exact = windows.ExactStore(rows, E, self.layer_num, H, d, device=self.device)
@@ -107,11 +84,12 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self.win_k = [t.unsqueeze(1) for t in self.exact.k]
             self.win_v = [t.unsqueeze(1) for t in self.exact.v]
         # CPU fast paths, tested against the reference codec: codebooks prepared once per layer;
-        # Numba kernels (numba_kernels.cpu) unless SGLANG_TASQ_CPU_KERNELS=0 (plain torch)
-        self.cpu_kernels = fastpath.cpu_kernels_enabled()
-        self._near_k = fastpath.layer_nearest(self.codebooks.tailored_k_codebook)
-        self._near_v = fastpath.layer_nearest(lambda layer: self.codebooks.v_codebook[layer])
-        self._unpack_idx, self._dec_tables = {}, {}
+        # Numba kernels (numba_kernels.cpu) unless options.cpu_kernels is off (plain torch)
+        self.cpu_kernels = self.options.cpu_kernels
+        self._near_k = fastpath.layer_nearest(self.codebooks.tailored_k_codebook, self.cpu_kernels)
+        self._near_v = fastpath.layer_nearest(lambda layer: self.codebooks.v_codebook[layer], self.cpu_kernels)
+        self._unpack = packing.Unpacker()
+        self._dec_tables = {}
         self._rope = None
         self._encoder = None
         if self.cpu_kernels and self.codebooks.k_mix is None:
@@ -134,11 +112,11 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if self.exact is None or getattr(self, "_attached", None) is req_to_token_pool:
             return
         cfg = self.tasq_config
-        need = window_entries(cfg, req_to_token_pool.size)
+        need = windows.store_entries(cfg.sink_window, cfg.recent_window, req_to_token_pool.size)
         if need > self.exact.capacity:
             raise RuntimeError(
                 f"tasq: {req_to_token_pool.size} request rows need {need} full-precision window entries, the "
-                f"store holds {self.exact.capacity} (SGLANG_TASQ_WINDOW_ROWS={window_ring_rows()}); lower "
+                f"store holds {self.exact.capacity} (sized for {self.options.rows()} running requests); lower "
                 f"--max-running-requests or raise SGLANG_TASQ_WINDOW_ROWS")
         self._attached = req_to_token_pool
         self._r2t = req_to_token_pool.req_to_token
@@ -299,7 +277,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         k_codes = self._near_k(x, layer.layer_id)
         gv = self.tasq_config.group_size_v
         v_codes = self._near_v(v.float().view(T, H, d // gv, gv), layer.layer_id)
-        pack = fastpath.pack
+        pack = fastpath.packer(self.cpu_kernels)
         krow = pack(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
         vrow = pack(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
         self.write_rows(lid, loc, krow, k_scale, vrow)
@@ -361,27 +339,6 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             pos = torch.arange(slots.shape[0], device=slots.device)
             self.read_exact(layer_id, slots, k, v, self.in_window(pos, seq_len))
         return k, v
-
-    def _unpack(self, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-        """== codec.unpack_codes: each code read from the (at most 3) bytes it spans, one gather."""
-        if bits > 17:
-            return codec.unpack_codes(packed, n, bits)
-        key = (n, bits, packed.device)
-        tab = self._unpack_idx.get(key)
-        if tab is None:
-            start = torch.arange(n, dtype=torch.int64) * bits
-            nb = packed.shape[1]
-            idx = (start // 8).unsqueeze(1) + torch.arange(3)
-            tab = self._unpack_idx[key] = (idx.clamp(max=nb - 1).reshape(-1).to(packed.device),
-                                           (idx < nb).to(torch.int32).to(packed.device),
-                                           (start % 8).to(torch.int32).to(packed.device))
-        idx, ok, shift = tab
-        T = packed.shape[0]
-        if packed.shape[1] != codec.packed_row_bytes(n, bits):
-            return codec.unpack_codes(packed, n, bits)  # raises the reference error
-        b = packed.index_select(1, idx).view(T, n, 3).to(torch.int32) * ok
-        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-        return ((word >> shift) & ((1 << bits) - 1)).to(torch.int64)
 
     def _decode(self, k_codes, scale, v_codes, layer_id: int):
         """== (codec.decode_keys, codec.decode_values) with flattened codebooks prepared once."""

@@ -14,10 +14,10 @@ added when no backend is given. Short names resolve to ``sglang.benchmark.<name>
 """
 from __future__ import annotations
 
-import os
 import runpy
 import sys
 
+from ..options import export_config_path
 from . import launch
 
 SHORT = {"one_batch", "offline_throughput", "one_batch_server", "serving"}
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     rest, path = split_tasq_flag(rest)
     if path is not None:
-        os.environ[launch.ENV_CONFIG] = os.path.abspath(path)
+        export_config_path(path)
         if not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in rest):
             rest += ["--attention-backend", launch.BACKEND_NAME]
     load_plugins()

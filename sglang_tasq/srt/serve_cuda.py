@@ -34,7 +34,6 @@ most ``max_view_tokens`` kv tokens (memory bound).
 """
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
@@ -46,10 +45,6 @@ from ..rope import apply_rope, cos_sin, rotate
 
 PLAN_KEY = "tasq_cuda_plan"
 ROPE_KEY = "tasq_cuda_rope"
-
-
-def _view_tokens() -> int:
-    return int(os.environ.get("SGLANG_TASQ_CUDA_VIEW_TOKENS", "32768"))
 
 
 def _ragged(lens: torch.Tensor, total: int):
@@ -86,7 +81,7 @@ class TaSQCudaAdapter:
             from numba_kernels import ops  # noqa: WPS433 (imports numba)
         self.ops, self.pool, self.req_to_token = ops, pool, req_to_token_pool.req_to_token
         self.full_dtype = full_dtype
-        self.max_view_tokens = max_view_tokens or _view_tokens()
+        self.max_view_tokens = max_view_tokens or pool.options.cuda_view_tokens
         self.cfg = pool.tasq_config
         self.windows = pool.exact is not None and (self.cfg.sink_window + self.cfg.recent_window) > 0
         self._tables: dict = {}

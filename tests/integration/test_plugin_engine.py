@@ -92,15 +92,15 @@ def test_capacity_at_same_memory(tasq_run, base_run, artifact):
     """Tokens TaSQ fits in bf16's bytes (exact window store and slot index charged): >= 12x at a
     16 GiB budget."""
     from sglang_tasq.srt.launch import load_checked_artifact
-    from sglang_tasq.srt.plugin import SLOT_INDEX_BYTES
-    from sglang_tasq.srt.pool import bytes_per_token, window_bytes
+    from sglang_tasq.packing import bytes_per_token
+    from sglang_tasq.windows import SLOT_INDEX_BYTES, store_bytes
 
     art = load_checked_artifact(str(artifact[0]), None)
     fp, cfg = art.model, art.config
     per_token = bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES
     bf16_per_token = 2 * fp.num_kv_heads * fp.head_dim * 2 * fp.num_layers
     assert bf16_per_token / per_token >= 12.0
-    rings = window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, RINGS)
+    rings = store_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, RINGS)
     # the rings are a fixed cost: at a 16 GiB KV budget TaSQ holds >= 12x bf16's tokens
     budget = 16 * 2**30
     assert ((budget - rings) // per_token) / (budget // bf16_per_token) >= 12.0

@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_tasq import codec
-from sglang_tasq.srt.backend import TaSQAttnBackend, _sdpa
+from sglang_tasq import codec, packing
+from sglang_tasq.srt.backend import _sdpa
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.srt.pool import TaSQTokenToKVPool
 from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
 
@@ -28,10 +27,9 @@ def _real_or_random():
 
 
 def _pool(cb):
-    p = TaSQTokenToKVPool.__new__(TaSQTokenToKVPool)
-    p.codebooks = cb
-    p._unpack_idx, p._dec_tables = {}, {}
-    return p
+    from _pools import make_pool
+
+    return make_pool(cb, size=8, window_rows=1)
 
 
 @pytest.mark.parametrize("T", [1, 3, 17, 300])
@@ -72,10 +70,10 @@ def test_fast_unpack_matches_reference(n, bits):
     torch.manual_seed(n * bits)
     codes = torch.randint(0, 1 << bits, (13, n))
     codes[0] = (1 << bits) - 1
-    packed = codec.pack_codes(codes, bits)
-    p = _pool(None)
-    assert torch.equal(p._unpack(packed, n, bits), codec.unpack_codes(packed, n, bits))
-    assert torch.equal(p._unpack(packed[:0], n, bits), codec.unpack_codes(packed[:0], n, bits))
+    packed = packing.pack_codes(codes, bits)
+    fast = packing.Unpacker()
+    assert torch.equal(fast(packed, n, bits), packing.unpack_codes(packed, n, bits))
+    assert torch.equal(fast(packed[:0], n, bits), packing.unpack_codes(packed[:0], n, bits))
 
 
 @pytest.mark.parametrize("scale", ["shared", "per_head", "none"])
@@ -96,9 +94,9 @@ def test_fast_decode_matches_reference(scale):
 
 def test_cached_rope_table_matches_apply_rope():
     cb = _real_or_random()
-    be = TaSQAttnBackend.__new__(TaSQAttnBackend)
-    be.codebooks, be.pool = cb, _pool(cb)
-    be.pool._rope, be.pool.device = None, "cpu"
+    from _pools import make_backend
+
+    be = make_backend(_pool(cb))
     from sglang_tasq.rope import rotate
 
     torch.manual_seed(2)

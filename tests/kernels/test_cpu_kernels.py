@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from numba_kernels import cpu
-from sglang_tasq import codec
+from sglang_tasq import codec, packing
 from sglang_tasq.config import TaSQConfig
 from sglang_tasq.rope import cos_sin
 from sglang_tasq.testing import random_codebooks
@@ -65,10 +65,10 @@ def test_pack_unpack_bit_exact(bits, n):
     codes = torch.randint(0, 1 << bits, (19, n), generator=gen)
     codes[0] = (1 << bits) - 1  # the largest code everywhere
     codes[1] = 0
-    ref = codec.pack_codes(codes, bits)
+    ref = packing.pack_codes(codes, bits)
     got = cpu.pack(codes, bits)
     assert torch.equal(got, ref)
-    assert torch.equal(cpu.unpack(got, n, bits), codec.unpack_codes(ref, n, bits))
+    assert torch.equal(cpu.unpack(got, n, bits), packing.unpack_codes(ref, n, bits))
     assert torch.equal(cpu.unpack(got, n, bits), codes)
 
 
@@ -86,7 +86,7 @@ def test_codes_of_reads_any_run_of_codes(bits):
     gen = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 1 << bits, (4, 11), generator=gen)
     codes[0] = (1 << bits) - 1
-    packed = codec.pack_codes(codes, bits).numpy()
+    packed = packing.pack_codes(codes, bits).numpy()
     for first in range(11):
         for n in range(1, 12 - first):
             out = np.zeros((4, 12), np.int64)
@@ -123,14 +123,14 @@ def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
     kc = codec.nearest_codeword(x, cb.tailored_k_codebook(0))
     vc = codec.encode_values(v, cb, 0)
     Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
-    kb = codec.packed_row_bytes(H * Gk, cfg.code_bits_k)
-    krow = codec.pack_codes(kc.reshape(total, -1), cfg.code_bits_k)
+    kb = packing.packed_row_bytes(H * Gk, cfg.code_bits_k)
+    krow = packing.pack_codes(kc.reshape(total, -1), cfg.code_bits_k)
     if scale is not None:
         krow = torch.cat([krow, scale.reshape(total, -1).contiguous().view(torch.uint8)], 1)
     k_rows = torch.zeros(rows, krow.shape[1], dtype=torch.uint8)
-    v_rows = torch.zeros(rows, codec.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
+    v_rows = torch.zeros(rows, packing.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
     k_rows[slots] = krow  # a shared slot holds the codes of its last writer
-    v_rows[slots] = codec.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
+    v_rows[slots] = packing.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
     B = len(seq_lens)
     win = None
     if windows:
@@ -165,12 +165,12 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
             outs.append(torch.zeros(q.shape[1], d))
             continue
         kr = k_rows[sl]
-        kc = codec.unpack_codes(kr[:, :kb].contiguous(), H * Gk, cfg.code_bits_k).view(S, H, Gk)
+        kc = packing.unpack_codes(kr[:, :kb].contiguous(), H * Gk, cfg.code_bits_k).view(S, H, Gk)
         scale = None
         if cfg.scale != "none":
             scale = torch.empty(S, kr.shape[1] - kb, dtype=torch.uint8).copy_(kr[:, kb:]).view(torch.float16)
             scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
-        vc = codec.unpack_codes(v_rows[sl], H * Gv, cfg.code_bits_v).view(S, H, Gv)
+        vc = packing.unpack_codes(v_rows[sl], H * Gv, cfg.code_bits_v).view(S, H, Gv)
         pos = torch.arange(S)
         kw = vw = mask = None
         if win is not None:
@@ -307,32 +307,22 @@ def test_decode_attention_refuses_dense_weighting():
         cpu.DecodeTables(cb, 0)
 
 
-def _tasq_pools(monkeypatch, window_rows: int, n: int = 2, req_rows: int | None = None):
+def _tasq_pools(window_rows: int, n: int = 2, req_rows: int | None = None):
     """``n`` real TaSQTokenToKVPools (96 slots, 2 layers, 2 KV heads of 16, sink 2, recent 3)
     sized for ``window_rows`` running requests, and (with ``req_rows``) one ReqToTokenPool
     with that many rows, not yet attached to any pool."""
-    import types
-
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    from sglang_tasq.srt import pool as pool_mod
+    from _pools import make_pool, make_request_rows
 
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
     cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
-    monkeypatch.setattr(pool_mod, "runtime_artifact", lambda: types.SimpleNamespace(codebooks=cb, config=cfg))
-    monkeypatch.setenv("SGLANG_TASQ_WINDOW_ROWS", str(window_rows))
-    pools = [pool_mod.TaSQTokenToKVPool(size=96, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16,
-                                        layer_num=2, device="cpu", enable_memory_saver=False) for _ in range(n)]
+    pools = [make_pool(cb, 96, window_rows) for _ in range(n)]
     for pool in pools:
         assert pool.exact.capacity == window_rows * (2 + 2 * 3)
-    r2t = None
-    if req_rows is not None:
-        r2t = ReqToTokenPool(size=req_rows, max_context_len=64, device="cpu", enable_memory_saver=False)
-    return pools, r2t
+    return pools, (make_request_rows(req_rows) if req_rows is not None else None)
 
 
-def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(monkeypatch):
+def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
     """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
     requests, a radix-shared prefix (its sink and tail read from the entries its first writer
     made), entries gone stale outside the window or evicted (LRU, the store is sized to its
@@ -344,7 +334,7 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(monkeypatch):
 
     from sglang_tasq.srt.backend import TaSQAttnBackend
 
-    (pool,), r2t_pool = _tasq_pools(monkeypatch, window_rows=3, n=1, req_rows=3)
+    (pool,), r2t_pool = _tasq_pools(window_rows=3, n=1, req_rows=3)
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t_pool, token_to_kv_pool=pool)
     be_k, be_t = TaSQAttnBackend(runner), TaSQAttnBackend(runner)  # one pool, one request table
     be_t._decode_kernel = False
@@ -422,12 +412,12 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(monkeypatch):
     assert gone  # some slots outside the windows (positions 2..5 of request 0 at least) read codes
 
 
-def test_pool_encoder_writes_what_the_reference_path_writes(monkeypatch):
+def test_pool_encoder_writes_what_the_reference_path_writes():
     """Fused Numba encode (un-rotate, tailor, scale, nearest, pack, exact window entries) vs the
     pool's plain-torch path, token by token, on two real TaSQTokenToKVPools."""
     import types
 
-    (pool_n, pool_t), _ = _tasq_pools(monkeypatch, window_rows=2)
+    (pool_n, pool_t), _ = _tasq_pools(window_rows=2)
     assert pool_n._encoder is not None
     pool_t._encoder = None
     layer = types.SimpleNamespace(layer_id=1)
@@ -485,13 +475,13 @@ def test_pool_encoder_writes_what_the_reference_path_writes(monkeypatch):
     assert torch.equal(pool_n.exact.v[1][e39], v.view(T, 2, 16)[6])
 
 
-def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite(monkeypatch):
+def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
     """A decode step's few tokens go through one call (``_encode_small``): the same
     rows and exact entries as the batched kernels (forced by running the same tokens padded
     past the serial threshold), and a non-finite key or value writes nothing and returns False."""
     import types
 
-    (pool_a, pool_b), _ = _tasq_pools(monkeypatch, window_rows=2)
+    (pool_a, pool_b), _ = _tasq_pools(window_rows=2)
     gen = torch.Generator().manual_seed(4)
     T, pad = 5, cpu._SERIAL_BELOW
     positions = torch.tensor([7, 300, 301, 2, 1019])

@@ -15,13 +15,14 @@ CPU path on pool B.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from sglang_tasq.options import child_env, set_env
 
 ROOT = Path(__file__).resolve().parents[2]
 REQ_ROWS = 4  # ReqToTokenPool size of _setup
@@ -43,30 +44,16 @@ def _setup(window_rows: str):
     """Two (pool, backend) pairs on CPU. ``window_rows`` sizes the exact store
     (SGLANG_TASQ_WINDOW_ROWS); raised to the ReqToTokenPool size (4) when smaller, as
     ``attach_request_rows`` requires."""
-    import types
+    from _pools import make_backend, make_pool
 
-    import torch
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    from sglang_tasq.srt import pool as pool_mod
-    from sglang_tasq.srt.backend import TaSQAttnBackend
     from sglang_tasq.config import TaSQConfig
     from sglang_tasq.testing import random_codebooks
 
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
     cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
-    pool_mod.runtime_artifact = lambda: types.SimpleNamespace(codebooks=cb, config=cfg)
-    os.environ["SGLANG_TASQ_WINDOW_ROWS"] = str(max(int(window_rows), REQ_ROWS))
-    pools, backends = [], []
-    for _ in range(2):
-        pool = pool_mod.TaSQTokenToKVPool(size=96, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=16,
-                                          layer_num=2, device="cpu", enable_memory_saver=False)
-        r2t = ReqToTokenPool(size=REQ_ROWS, max_context_len=64, device="cpu", enable_memory_saver=False)
-        runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
-        backends.append(TaSQAttnBackend(runner))
-        pools.append(pool)
-    return pools, backends
+    pools = [make_pool(cb, 96, max(int(window_rows), REQ_ROWS)) for _ in range(2)]
+    return pools, [make_backend(p, REQ_ROWS) for p in pools]
 
 
 def _strict_pairs(prefix: int, seq: int, sink: int, recent: int) -> int:
@@ -162,7 +149,7 @@ def _sim_main() -> dict:
 
 def test_adapter_matches_cpu_path_in_simulator():
     pytest.importorskip("numba")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    env = child_env(NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -181,5 +168,5 @@ def test_adapter_matches_cpu_path_in_simulator():
 
 
 if __name__ == "__main__":
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    set_env("NUMBA_ENABLE_CUDASIM", "1")
     print(json.dumps(_sim_main()), flush=True)

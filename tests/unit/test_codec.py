@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sglang_tasq import codec
+from sglang_tasq import codec, packing
 from sglang_tasq.config import TaSQConfig
 from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
@@ -13,22 +13,22 @@ def test_pack_unpack_round_trip(n, bits):
     torch.manual_seed(n * bits)
     codes = torch.randint(0, 1 << bits, (13, n))
     codes[0] = (1 << bits) - 1  # maximum code value
-    packed = codec.pack_codes(codes, bits)
+    packed = packing.pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (13, (n * bits + 7) // 8)
-    assert torch.equal(codec.unpack_codes(packed, n, bits), codes)
+    assert torch.equal(packing.unpack_codes(packed, n, bits), codes)
 
 
 def test_pack_layout_is_little_endian_bit_stream():
     codes = torch.tensor([[0x3FF, 0x001]])  # two 10-bit codes: bits 0-9 set, then bit 10 set
-    packed = codec.pack_codes(codes, 10)
+    packed = packing.pack_codes(codes, 10)
     assert packed.tolist() == [[0xFF, 0x07, 0x00]]
     with pytest.raises(ValueError):
-        codec.pack_codes(torch.tensor([[1024]]), 10)
+        packing.pack_codes(torch.tensor([[1024]]), 10)
 
 
 def test_10bit_codes_use_minimum_bytes():
     # SmolLM2: 3 KV heads x 8 groups of 10-bit codes per token = 30 bytes, not 48 (uint16)
-    assert codec.packed_row_bytes(24, 10) == 30
+    assert packing.packed_row_bytes(24, 10) == 30
 
 
 def _brute_nearest(x, cb):

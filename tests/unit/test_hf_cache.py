@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sglang_tasq import codec
+from sglang_tasq import codec, packing
 from sglang_tasq.hf.baselines import baseline
 from sglang_tasq.config import TaSQConfig
 from sglang_tasq.hf.cache import QuantizedKVCache, TaSQCache, unrotate_keys
@@ -51,11 +51,11 @@ def test_codes_and_decode_match_reference(cb):
     layer = cache.layers[1]
     codes, scale = codec.encode_keys(k, cb, 1)
     stored = layer.sides["k"].rows[0].slice(0, T)
-    assert torch.equal(stored["codes"], codec.pack_codes(codes.reshape(T, -1), cb.config.code_bits_k))
+    assert torch.equal(stored["codes"], packing.pack_codes(codes.reshape(T, -1), cb.config.code_bits_k))
     assert torch.equal(stored["scale"], scale)
     vcodes = codec.encode_values(v, cb, 1)
     assert torch.equal(layer.sides["v"].rows[0].slice(0, T)["codes"],
-                       codec.pack_codes(vcodes.reshape(T, -1), cb.config.code_bits_v))
+                       packing.pack_codes(vcodes.reshape(T, -1), cb.config.code_bits_v))
     want_k = apply_rope(codec.decode_keys(codes, scale, cb, 1), torch.arange(T), cb.inv_freq, cb.attention_scaling)
     assert torch.equal(keys[0].transpose(0, 1), want_k)
     assert torch.equal(vals[0].transpose(0, 1), codec.decode_values(vcodes, cb, 1))
@@ -114,8 +114,8 @@ def test_memory_accounting(cb):
     k, v = _kv(30)
     cache = TaSQCache(cb, sink=3, recent=5)
     cache.update(_hf_rotate(k, cb.inv_freq), v.transpose(0, 1)[None], 0)
-    row_k = codec.packed_row_bytes(H * D // 8, cb.config.code_bits_k)
-    row_v = codec.packed_row_bytes(H * D // 8, cb.config.code_bits_v)
+    row_k = packing.packed_row_bytes(H * D // 8, cb.config.code_bits_k)
+    row_v = packing.packed_row_bytes(H * D // 8, cb.config.code_bits_v)
     b = cache.memory_breakdown()
     assert b["codes"] == 30 * (row_k + row_v) and b["scale"] == 30 * 2
     assert b["window"] == 2 * (3 + 5) * H * D * 4  # fp32 test tensors: 4 bytes/element

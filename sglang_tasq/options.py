@@ -1,0 +1,118 @@
+"""Every environment variable sglang-tasq reads, read here and nowhere else.
+
+Serving (:class:`ServeOptions`, parsed once per process by :meth:`ServeOptions.from_env`):
+
+- ``SGLANG_TASQ_CONFIG``: the artifact path. ``--tasq-config PATH`` (or ``sglang.Engine(...,
+  tasq_config=PATH)``) sets it in the launcher, and SGLang's spawned processes inherit it: it
+  is the one thing the environment carries into them (:func:`export_config_path`).
+- ``SGLANG_TASQ_WINDOW_ROWS``: how many requests the exact window store is sized for when
+  ``--max-running-requests`` is not given (default 128); a larger explicit limit is refused.
+  Inside the server the store is sized from the resolved ``--max-running-requests``.
+- ``SGLANG_TASQ_CPU_KERNELS``: ``0`` serves the CPU path with the plain-torch reference
+  instead of the Numba kernels (default 1).
+- ``SGLANG_TASQ_CUDA_VIEW_TOKENS``: tokens of decoded keys the CUDA extend path materializes
+  at once (default 32768).
+
+Elsewhere: ``TASQ_CACHE`` (where models, corpora and artifacts are built once; default
+``~/.cache/sglang-tasq``), and :func:`child_env` / :func:`passive_omp` for the processes the
+benches and the demo start.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+ENV_CONFIG = "SGLANG_TASQ_CONFIG"
+ENV_WINDOW_ROWS = "SGLANG_TASQ_WINDOW_ROWS"
+ENV_CPU_KERNELS = "SGLANG_TASQ_CPU_KERNELS"
+ENV_CUDA_VIEW_TOKENS = "SGLANG_TASQ_CUDA_VIEW_TOKENS"
+DEFAULT_WINDOW_ROWS = 128
+DEFAULT_CUDA_VIEW_TOKENS = 32768
+
+
+class OptionError(ValueError):
+    """An environment variable holds a value sglang-tasq cannot use (one line, names it)."""
+
+
+def _int(env: Mapping[str, str], name: str, default: Optional[int], minimum: int = 1) -> Optional[int]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        val = int(raw)
+    except ValueError:
+        raise OptionError(f"tasq: {name}={raw!r} is not an integer") from None
+    if val < minimum:
+        raise OptionError(f"tasq: {name}={val} must be >= {minimum}")
+    return val
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How this process serves TaSQ. ``window_rows``: requests the exact store holds (``None``:
+    not given; the plugin then uses ``--max-running-requests`` or :data:`DEFAULT_WINDOW_ROWS`)."""
+
+    config_path: Optional[str] = None
+    window_rows: Optional[int] = None
+    cpu_kernels: bool = True
+    cuda_view_tokens: int = DEFAULT_CUDA_VIEW_TOKENS
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ServeOptions":
+        env = os.environ if env is None else env
+        kernels = env.get(ENV_CPU_KERNELS, "1").strip()
+        if kernels not in ("0", "1", ""):
+            raise OptionError(f"tasq: {ENV_CPU_KERNELS}={kernels!r}: use 0 (plain torch) or 1 (Numba kernels)")
+        return cls(config_path=env.get(ENV_CONFIG, "").strip() or None,
+                   window_rows=_int(env, ENV_WINDOW_ROWS, None),
+                   cpu_kernels=kernels != "0",
+                   cuda_view_tokens=_int(env, ENV_CUDA_VIEW_TOKENS, DEFAULT_CUDA_VIEW_TOKENS))
+
+    @property
+    def active(self) -> bool:
+        return self.config_path is not None
+
+    def rows(self) -> int:
+        return self.window_rows if self.window_rows is not None else DEFAULT_WINDOW_ROWS
+
+
+def export_config_path(path) -> str:
+    """Set the artifact path for this process and every process SGLang spawns from it."""
+    p = os.path.abspath(str(path))
+    os.environ[ENV_CONFIG] = p
+    return p
+
+
+def clear_config_path() -> None:
+    os.environ.pop(ENV_CONFIG, None)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TASQ_CACHE", Path.home() / ".cache" / "sglang-tasq"))
+
+
+def passive_omp() -> None:
+    """OpenMP threads that spin while waiting slow torch down badly when processes share cores:
+    make them sleep (call before torch starts its thread pool; an explicit setting wins)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def child_env(drop: tuple = (), **overrides: str) -> dict:
+    """This process's environment for a child process, without ``drop``, with ``overrides``,
+    and with sleeping OpenMP waits unless set otherwise."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+def set_env(name: str, value: str) -> None:
+    """Set a variable in this process for itself and its children (a bench choosing a mode)."""
+    os.environ[name] = str(value)
+
+
+def default_env(name: str, value: str) -> None:
+    """Set a variable for this process and its children unless it is set already."""
+    os.environ.setdefault(name, str(value))

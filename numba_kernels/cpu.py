@@ -275,7 +275,7 @@ def _unpack(packed, n, bits, out):
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [T, n] -> packed [T, ceil(n*bits/8)] uint8, == codec.pack_codes (range-checked)."""
-    from sglang_tasq.codec import packed_row_bytes
+    from sglang_tasq.packing import packed_row_bytes
 
     T, n = codes.shape
     if not 1 <= bits <= 32:
@@ -290,7 +290,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     """packed [T, nbytes] uint8 -> codes [T, n] int64, == codec.unpack_codes."""
-    from sglang_tasq.codec import packed_row_bytes
+    from sglang_tasq.packing import packed_row_bytes
 
     T, nbytes = packed.shape
     if nbytes != packed_row_bytes(n, bits):

@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sglang_tasq.hf.baselines import KVMethod
 from sglang_tasq.hf.cache import QuantizedKVCache
+from sglang_tasq.windows import query_window
 
 NAME = "tasq_decode_view"
 _ACTIVE: list = []
@@ -136,7 +137,7 @@ def _mix(q, kq, ke, vq, ve, a: int, b: int, sink: int, recent: int):
         lo = max(0, a + 1 - recent)
         cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
         t, pc = torch.arange(a, b)[:, None], cols[None]
-        E = ((pc < sink) | (pc >= t + 1 - recent)) & (pc <= t)  # [c, ncols] exact pairs
+        E = query_window(t[:, 0], cols, sink, recent) & (pc <= t)  # [c, ncols] exact pairs (the one rule)
         Se = torch.bmm(q2, ke[:, cols].transpose(1, 2)).view(H, G, c, -1)
         S[..., cols] = torch.where(E, Se, S[..., cols])
     P = torch.softmax(S, dim=-1)

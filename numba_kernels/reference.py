@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from sglang_tasq import codec, packing
+from sglang_tasq import codec, packing, windows
 from sglang_tasq.rope import apply_rope
 
 from .tables import LayerTables
@@ -46,8 +46,8 @@ def _request_cache(tables, cb, slots, k_codes, v_codes, k_scale):
 
 
 def _window_mask(n: int, sink: int, recent: int) -> torch.Tensor:
-    i = torch.arange(n)
-    return (i < sink) | (i >= n - recent)
+    """Keys of a length-``n`` request read exactly by its last query (:func:`windows.in_window`)."""
+    return windows.in_window(torch.arange(n), n, sink, recent)
 
 
 def decode_attention_ref(q, k_codes, v_codes, k_scale, kv_indptr, kv_indices, tables: LayerTables,

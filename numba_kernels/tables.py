@@ -16,6 +16,7 @@ import torch
 
 from sglang_tasq.codec import Codebooks
 from sglang_tasq.config import TaSQConfig
+from sglang_tasq.packing import packed_row_bytes
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,11 @@ class LayerTables:
     @property
     def k_row_bytes(self) -> int:
         """Bytes of one packed key row (all heads of one token)."""
-        return (self.num_kv_heads * self.k_groups * self.config.code_bits_k + 7) // 8
+        return packed_row_bytes(self.num_kv_heads * self.k_groups, self.config.code_bits_k)
 
     @property
     def v_row_bytes(self) -> int:
-        return (self.num_kv_heads * self.v_groups * self.config.code_bits_v + 7) // 8
+        return packed_row_bytes(self.num_kv_heads * self.v_groups, self.config.code_bits_v)
 
     def codebooks(self) -> Codebooks:
         """A one-layer Codebooks (layer 0) with exactly these fp16-rounded codewords, on CPU."""

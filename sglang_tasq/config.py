@@ -89,8 +89,9 @@ class TaSQConfig:
 
     def bits_k(self, num_kv_heads: int, head_dim: int) -> float:
         """Bits per key element, metadata (the fp16 scale) included."""
-        meta = {"shared": 16 / (num_kv_heads * head_dim), "per_head": 16 / head_dim, "none": 0.0}
-        return self.code_bits_k / self.group_size_k + meta[self.scale]
+        from .packing import scale_count
+
+        return self.code_bits_k / self.group_size_k + 16 * scale_count(self.scale, num_kv_heads) / (num_kv_heads * head_dim)
 
     def bits_v(self, num_kv_heads: int, head_dim: int) -> float:
         return self.code_bits_v / self.group_size_v

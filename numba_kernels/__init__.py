@@ -6,6 +6,10 @@ Modules: ``tables`` (one layer's kernel-ready codebooks, :class:`LayerTables`), 
 ``extend`` (causal chunk part of prefill), ``ops`` (launch wrappers: ``encode_kv``,
 ``decode_attention``, ``extend_attention``), ``reference`` (plain-torch twins built on
 sglang_tasq.codec), ``sim_cases`` / ``ptx_report`` (test drivers run in child processes),
-and ``cpu`` (Numba CPU ``njit`` kernels of the CPU serving path and the HF cache).
+``fastpath`` (Numba CPU kernels or plain torch for the CPU hot paths), and the package ``cpu``
+(Numba CPU ``njit`` kernels of the CPU serving path and the HF cache, split like the CUDA half:
+``cpu._common`` threads, intrinsics and views; ``cpu.search``; ``cpu.bitpack``; ``cpu.decode``
+and ``cpu.encode`` kernels; ``cpu.ops`` launch objects ``DecodeTables``, ``DecodePlan``,
+``PoolEncoder``).
 Importing this package does not import numba; ``ops`` and ``cpu`` do.
 """

@@ -1,0 +1,99 @@
+"""Bit packing in Numba, bit-identical to :func:`sglang_tasq.packing.pack_codes` /
+:func:`~sglang_tasq.packing.unpack_codes` (the one definition of the layout: code ``i`` at bits
+``[i*bits, (i+1)*bits)`` of a little-endian row bit stream).
+
+``_pack_row`` is the one packing loop: :func:`pack` runs it per token, the fused encoder's row
+writer (:mod:`.encode`) per pool row. ``_codes_of`` is the decode kernel's one-pass reader of
+a run of codes of a packed row.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from sglang_tasq.packing import packed_row_bytes
+
+
+@njit(cache=True, inline="always")
+def _pack_row(codes, t, n, bits, buf, slot, nbytes):
+    """buf[slot, :nbytes] = codes[t, :n] packed (little-endian bit stream, packing.pack_codes)."""
+    for b in range(nbytes):
+        buf[slot, b] = 0
+    for i in range(n):
+        start = i * bits
+        word = np.int64(codes[t, i]) << (start & 7)
+        byte = start >> 3
+        k = 0
+        while (start & 7) + bits > 8 * k:
+            buf[slot, byte + k] |= np.uint8((word >> (8 * k)) & 0xFF)
+            k += 1
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _pack(codes, bits, out):
+    T, n = codes.shape
+    nbytes = out.shape[1]
+    for t in prange(T):
+        _pack_row(codes, t, n, bits, out, t, nbytes)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _unpack(packed, n, bits, out):
+    T, nbytes = packed.shape
+    mask = (np.int64(1) << bits) - 1
+    for t in prange(T):
+        for i in range(n):
+            start = i * bits
+            byte = start >> 3
+            sh = start & 7
+            word = np.int64(0)
+            k = 0
+            while sh + bits > 8 * k:
+                word |= np.int64(packed[t, byte + k]) << (8 * k)
+                k += 1
+            out[t, i] = (word >> sh) & mask
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [T, n] -> packed [T, ceil(n*bits/8)] uint8, == packing.pack_codes (range-checked)."""
+    T, n = codes.shape
+    if not 1 <= bits <= 32:
+        raise ValueError(f"code width {bits} bits is outside 1..32")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << bits)):
+        raise ValueError(f"codes out of range for {bits}-bit packing")
+    out = np.empty((T, packed_row_bytes(n, bits)), np.uint8)
+    if T:
+        _pack(codes.detach().cpu().to(torch.int64).contiguous().numpy(), bits, out)
+    return torch.from_numpy(out)
+
+
+def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """packed [T, nbytes] uint8 -> codes [T, n] int64, == packing.unpack_codes."""
+    T, nbytes = packed.shape
+    if nbytes != packed_row_bytes(n, bits):
+        raise ValueError(f"packed rows have {nbytes} bytes, {n} codes of {bits} bits need {packed_row_bytes(n, bits)}")
+    out = np.empty((T, n), np.int64)
+    if T:
+        _unpack(packed.detach().cpu().contiguous().numpy(), n, bits, out)
+    return torch.from_numpy(out)
+
+
+@njit(cache=True, inline="always")
+def _codes_of(buf2d, slot, first, n, bits, out):
+    """out[:n] = codes first..first+n-1 of packed row ``slot`` (bits <= 56), each byte read
+    once, in order; never reads past the byte holding the last code's top bit."""
+    pos = first * bits
+    byte = pos >> 3
+    acc = np.int64(buf2d[slot, byte]) >> (pos & 7)
+    nacc = 8 - (pos & 7)
+    byte += 1
+    mask = (np.int64(1) << bits) - 1
+    for j in range(n):
+        while nacc < bits:
+            acc |= np.int64(buf2d[slot, byte]) << nacc
+            byte += 1
+            nacc += 8
+        out[j] = acc & mask
+        acc >>= bits
+        nacc -= bits

@@ -1,0 +1,186 @@
+"""Decode attention over the packed pool: the split-K kernel ``_decode_attention`` (one query
+per request at position ``S - 1``; keys and values decoded from their codes, or read from the
+bf16 exact-store entry inside the window) and ``_window_entry``, the window rule in Numba.
+Launched through :class:`~numba_kernels.cpu.ops.DecodePlan`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._common import _BIG, _bf16_bits_to_f32, _half_bits_to_f32
+from .bitpack import _codes_of
+
+
+@njit(cache=True, inline="always")
+def _window_entry(entry_of, slot, t, S, sink, recent):
+    """Exact-store entry read for position t of a request of length S held in ``slot``, or -1
+    (codes): the entry where t is in the window and the slot has one (``entry_of[slot] > 0``).
+
+    The window test ``t < sink or t >= S - recent`` is the Numba twin of
+    :func:`sglang_tasq.windows.in_window` (the one definition of the rule; Numba cannot call
+    torch), held equal to it by ``tests/kernels/test_cpu_window_twin.py``. An empty
+    ``entry_of`` (no windows) reads codes everywhere."""
+    if entry_of.shape[0] > 0 and (t < sink or t >= S - recent):
+        e = entry_of[slot]
+        if e > 0:
+            return e
+    return -1
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath=True)
+def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
+                      scale_mode, cos_t, sin_t, entry_of, win_k, win_v, sink, recent, sm_scale,
+                      chunk, nsplit, part_m, part_l, part_o, out):
+    """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
+    ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
+    request's end is empty), so a batch of one still fills every thread, and a request's
+    answer depends on its own tokens only, not on the batch it runs in (batch invariance).
+    Keys are decoded in the permuted in-group layout from the tailored codebook ``kcb`` (the
+    encoder's own array, so a decode step reads each codebook once; ``kw`` [H, d] the weight of
+    each permuted element, divided out through the query) as the
+    first and second elements of each RoPE pair, and the rotation at the token's position is
+    folded into the dot with every query head of the GQA group (one flat loop over pairs),
+    then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
+    max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
+    the splits. Each token's codes are unpacked in one pass over its bytes. A token inside the
+    window of S is read from its slot's bf16 exact-store entry (``entry_of[slot]``, 0 = none;
+    ``win_k``/``win_v`` [E + 1, 1, H, d]) in native pair order (no permutation to gather). fastmath: sums are reassociated (vectorized)."""
+    B, Hq, d = q.shape
+    H, Gk, _, gk = kcb.shape
+    Gv, gv = vcb.shape[1], vcb.shape[3]
+    rep = Hq // H
+    hg = gk // 2
+    for item in prange(B * H * nsplit):
+        bh = item // nsplit
+        b = bh // H
+        h = bh - b * H
+        beg = indptr[b]
+        S = indptr[b + 1] - beg
+        t_lo = min(S, (item - bh * nsplit) * chunk)
+        t_hi = min(S, t_lo + chunk)
+        P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
+        # the query's first / second element of each permuted pair, over the codeword weight of
+        # the first (qa, qb2) or second (qb, qa2) element: codewords are read in the tailored
+        # space (key element = codeword / weight, the division folded into the query)
+        qa = np.empty((rep, P), np.float32)
+        qb = np.empty((rep, P), np.float32)
+        qa2 = np.empty((rep, P), np.float32)
+        qb2 = np.empty((rep, P), np.float32)
+        pidx = np.empty(P, np.int64)  # native RoPE pair of each permuted pair
+        for j in range(Gk):
+            for l in range(hg):
+                p = j * hg + l
+                pidx[p] = kperm[h, j * gk + l]
+                wa = kw[h, j * gk + l]
+                wb = kw[h, j * gk + hg + l]
+                for r in range(rep):
+                    xa = q[b, h * rep + r, kperm[h, j * gk + l]]
+                    xb = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
+                    qa[r, p] = xa / wa
+                    qb[r, p] = xb / wb
+                    qa2[r, p] = xa / wb
+                    qb2[r, p] = xb / wa
+        logits = np.empty((rep, max(t_hi - t_lo, 1)), np.float32)
+        na = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
+        nb = np.empty((rep, P), np.float32)
+        for r in range(rep):
+            for p in range(P):
+                na[r, p] = q[b, h * rep + r, p]
+                nb[r, p] = q[b, h * rep + r, P + p]
+        zs = np.empty(max(Gk, Gv), np.int64)
+        ka = np.empty(P, np.float32)
+        kb_ = np.empty(P, np.float32)
+        cs = np.empty(P, np.float32)
+        sn_ = np.empty(P, np.float32)
+        for t in range(t_lo, t_hi):
+            slot = indices[beg + t]
+            widx = _window_entry(entry_of, slot, t, S, sink, recent)
+            s = np.float32(1.0)
+            if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
+                for p in range(P):
+                    ka[p] = _bf16_bits_to_f32(win_k[widx, 0, h, p])
+                    kb_[p] = _bf16_bits_to_f32(win_k[widx, 0, h, P + p])
+                for r in range(rep):
+                    acc = np.float32(0.0)
+                    for p in range(P):
+                        acc += cos_t[t, p] * (na[r, p] * ka[p] + nb[r, p] * kb_[p]) + sin_t[t, p] * (nb[r, p] * ka[p] - na[r, p] * kb_[p])
+                    logits[r, t - t_lo] = acc * sm_scale
+                continue
+            else:
+                if scale_mode == 1:
+                    s = _half_bits_to_f32(np.uint16(kbuf[slot, code_bytes_k]) | (np.uint16(kbuf[slot, code_bytes_k + 1]) << 8))
+                elif scale_mode == 2:
+                    o = code_bytes_k + 2 * h
+                    s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
+                _codes_of(kbuf, slot, h * Gk, Gk, bits_k, zs)
+                for j in range(Gk):
+                    z = zs[j]
+                    for l in range(hg):
+                        ka[j * hg + l] = kcb[h, j, z, l]
+                        kb_[j * hg + l] = kcb[h, j, z, hg + l]
+            for p in range(P):
+                cs[p] = cos_t[t, pidx[p]]
+                sn_[p] = sin_t[t, pidx[p]]
+            s *= sm_scale
+            for r in range(rep):  # q . RoPE_t(k) = sum_p cos (qa ka + qb kb) + sin (qb ka - qa kb): flat, vectorizes
+                acc = np.float32(0.0)
+                for p in range(P):
+                    acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb2[r, p] * ka[p] - qa2[r, p] * kb_[p])
+                logits[r, t - t_lo] = acc * s
+        for r in range(rep):
+            m = -_BIG
+            for i in range(t_hi - t_lo):
+                m = max(m, logits[r, i])
+            tot = np.float32(0.0)
+            for i in range(t_hi - t_lo):
+                e = np.float32(math.exp(logits[r, i] - m))
+                logits[r, i] = e
+                tot += e
+            part_m[item, r] = m
+            part_l[item, r] = tot
+        acc_o = np.zeros((rep, d), np.float32)
+        vt = np.empty(d, np.float32)
+        for t in range(t_lo, t_hi):
+            slot = indices[beg + t]
+            widx = _window_entry(entry_of, slot, t, S, sink, recent)
+            if widx >= 0:
+                for r in range(rep):
+                    p = logits[r, t - t_lo]
+                    for c in range(d):
+                        acc_o[r, c] += p * _bf16_bits_to_f32(win_v[widx, 0, h, c])
+            else:  # decode the value row, then one d-long axpy per query head (vectorizes)
+                _codes_of(vbuf, slot, h * Gv, Gv, bits_v, zs)
+                for j in range(Gv):
+                    z = zs[j]
+                    for l in range(gv):
+                        vt[j * gv + l] = vcb[h, j, z, l]
+                for r in range(rep):
+                    p = logits[r, t - t_lo]
+                    for c in range(d):
+                        acc_o[r, c] += p * vt[c]
+        for r in range(rep):
+            for c in range(d):
+                part_o[item, r, c] = acc_o[r, c]
+    for bh in prange(B * H):  # merge the splits: rescale each to the common max
+        b = bh // H
+        h = bh - b * H
+        for r in range(rep):
+            mx = -_BIG
+            for sp in range(nsplit):
+                if part_l[bh * nsplit + sp, r] > 0:
+                    mx = max(mx, part_m[bh * nsplit + sp, r])
+            tot = np.float32(0.0)
+            o = np.zeros(d, np.float32)
+            for sp in range(nsplit):
+                it = bh * nsplit + sp
+                if part_l[it, r] > 0:
+                    w = np.float32(math.exp(part_m[it, r] - mx))
+                    tot += w * part_l[it, r]
+                    for c in range(d):
+                        o[c] += w * part_o[it, r, c]
+            inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
+            for c in range(d):
+                out[b, h * rep + r, c] = o[c] * inv

@@ -1,0 +1,214 @@
+"""Host-side launch objects of the CPU kernels: :class:`DecodeTables` (one layer's codebooks
+as the decode kernel reads them), :class:`DecodePlan` (a decode step's per-forward arguments,
+reused by every layer) and :func:`decode_attention` (a one-layer plan), and
+:class:`PoolEncoder` (the fused pool encode of one layer's new tokens).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sglang_tasq.packing import SCALE_MODE_ID, scale_count
+
+from ._common import _NO_RING, _SERIAL_BELOW, _arr, _as_f32, _np, _u16
+from .decode import _decode_attention
+from .encode import _encode_small, _tailor_keys, _write_rows
+from .search import _ARGMIN_CHUNK, _search, prepare
+
+SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
+
+
+class DecodeTables:
+    """One layer's codebooks as the decode kernel reads them (float32 numpy): the tailored key
+    codebook (codewords times the diagonal weights, :meth:`Codebooks.tailored_k_codebook`)
+    with the weights in the permuted layout, and the value codebook.
+
+    ``prepared``: the :class:`PoolEncoder`'s ``(keys, values)`` :func:`prepare` output of this
+    layer; the tables then are views of the encoder's codeword rows, so a decode step's encode
+    and attention read one copy of each codebook (on a CPU the codebooks of 30 layers do not
+    stay in cache, and the decode kernel is bound by those reads). Zero weights (never from
+    calibration) fall back to the raw key codebook with unit weights."""
+
+    def __init__(self, cb, layer: int, prepared=None):
+        if cb.k_unmix is not None:
+            raise NotImplementedError("the CPU decode kernel serves diagonal (or no) key weighting; "
+                                      "the dense-weighting ablation uses the reference path")
+        H, G, K, g = cb.k_codebook[layer].shape
+        self.kperm = cb.k_perm[layer].detach().to(torch.int64).contiguous().numpy()
+        w = torch.gather(cb.k_weight[layer].detach().float(), 1, cb.k_perm[layer].detach().to(torch.int64))
+        if bool((w != 0).all()):
+            if prepared is None:
+                prepared = (prepare(cb.tailored_k_codebook(layer)), prepare(cb.v_codebook[layer]))
+            self.kcb = prepared[0][2].reshape(H, G, K, g)
+            self.kw = w.contiguous().numpy()
+        else:
+            self.kcb = cb.k_codebook[layer].detach().float().contiguous().numpy()
+            self.kw = np.ones((H, G * g), np.float32)
+        v = cb.v_codebook[layer]
+        self.vcb = (prepared[1][2].reshape(tuple(v.shape)) if prepared is not None
+                    else v.detach().float().contiguous().numpy())
+
+
+class DecodePlan:
+    """The per-forward arguments of :func:`decode_attention` (request layout, windows, RoPE
+    tables, split-K buffers), converted once and reused by every layer of a decode step.
+
+    kv_indptr [B+1] / kv_indices: request b's tokens (positions 0..S_b-1) sit at slots
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE tables
+    (attention scaling included); entry_of [slots] int64: each slot's exact-store entry (0 =
+    none; read through a view, so entries assigned after the plan is built are seen), None
+    without windows. split_tokens: positions per split-K range (default
+    :data:`SPLIT_TOKENS`); fixed, not chosen from the batch, so every request gets the same
+    floating-point answer alone or in any batch.
+    """
+
+    def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cfg, code_bytes_k: int,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                 entry_of: torch.Tensor | None = None, split_tokens: int | None = None):
+        self.cfg, self.code_bytes_k = cfg, code_bytes_k
+        self.indptr = kv_indptr.to(torch.int64).contiguous().numpy()
+        self.indices = kv_indices.to(torch.int64).contiguous().numpy()
+        B = self.B = len(self.indptr) - 1
+        Hq, H, d = self.shape = num_q_heads, num_kv_heads, head_dim
+        self.cos = cos.float().contiguous().numpy()
+        self.sin = sin.float().contiguous().numpy()
+        if entry_of is None:
+            self.entry_of = np.zeros(0, np.int64)
+        else:
+            if entry_of.dtype != torch.int64 or not entry_of.is_contiguous():
+                raise TypeError("entry_of must be a contiguous int64 tensor (it is read through a view)")
+            self.entry_of = entry_of.numpy()
+        max_len = int((self.indptr[1:] - self.indptr[:-1]).max()) if B else 0
+        self.chunk = int(split_tokens or SPLIT_TOKENS)
+        if self.chunk < 1:
+            raise ValueError(f"split_tokens must be >= 1, got {split_tokens}")
+        ns = self.nsplit = max(1, -(-max_len // self.chunk))
+        rep = Hq // H
+        self.part_m = np.empty((B * H * ns, rep), np.float32)
+        self.part_l = np.empty((B * H * ns, rep), np.float32)
+        self.part_o = np.empty((B * H * ns, rep, d), np.float32)
+        self.scale_mode = SCALE_MODE_ID[cfg.scale]
+
+    def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
+                 win_k=None, win_v=None) -> torch.Tensor:
+        """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
+        k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [E + 1, 1, H, d]
+        bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views). -> [B, Hq, d] f32."""
+        B, (Hq, H, d) = self.B, self.shape
+        if tuple(q.shape) != (B, Hq, d):
+            raise ValueError(f"decode plan: q has shape {tuple(q.shape)}, planned for {(B, Hq, d)}")
+        out = np.empty((B, Hq, d), np.float32)
+        if not B:
+            return torch.from_numpy(out)
+        if win_k is None or not self.entry_of.shape[0]:
+            wk = wv = _NO_RING[0]
+        else:
+            for w in (win_k, win_v):
+                if isinstance(w, torch.Tensor) and w.dtype != torch.bfloat16:
+                    raise TypeError(f"window entries must be bfloat16, got {w.dtype}")
+            wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
+        cfg = self.cfg
+        _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
+                          _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
+                          tables.kw, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, self.code_bytes_k, self.scale_mode,
+                          self.cos, self.sin, self.entry_of, wk, wv, cfg.sink_window, cfg.recent_window,
+                          np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
+        return torch.from_numpy(out)
+
+
+def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, tables: DecodeTables, cfg, code_bytes_k: int,
+                     cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
+                     entry_of: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
+                     win_v: torch.Tensor | None = None, split_tokens: int | None = None) -> torch.Tensor:
+    """Decode attention of one layer over packed codes, all requests in one call (a one-layer
+    :class:`DecodePlan`; see it for the arguments; win_k/win_v [E + 1, H, d] or [E + 1, 1, H, d]).
+    Returns [B, Hq, d] f32."""
+    B, Hq, d = q.shape
+    plan = DecodePlan(kv_indptr, kv_indices, cfg, code_bytes_k, Hq, tables.kcb.shape[0], d, cos, sin,
+                      entry_of.to(torch.int64).contiguous() if entry_of is not None else None, split_tokens)
+    if win_k is not None and win_k.dim() == 3:
+        win_k, win_v = win_k.unsqueeze(1), win_v.unsqueeze(1)
+    return plan(q, k_rows, v_rows, tables, sm_scale, win_k if entry_of is not None else None,
+                win_v if entry_of is not None else None)
+
+
+class PoolEncoder:
+    """Encode one layer's new tokens straight into a TaSQ pool (keys un-rotated, tailored,
+    coded, packed; values coded, packed; window tokens copied to their bf16 exact entries).
+
+    Equals the pool's reference path (``rope.apply_rope(inverse) -> codec.key_tailor ->
+    codec.nearest_codeword -> packing.pack_codes``) up to float rounding: the shared scale's
+    mean is summed in float64 (fp16 result equal but for rare rounding-boundary cases) and
+    the argmin has :func:`nearest`'s tie caveat."""
+
+    def __init__(self, cb):
+        if cb.k_mix is not None:
+            raise NotImplementedError("the CPU pool encoder serves diagonal (or no) key weighting; "
+                                      "the dense-weighting ablation uses the reference path")
+        self.cb, self.cfg, self.layers = cb, cb.config, {}
+
+    def _layer(self, layer: int):
+        tab = self.layers.get(layer)
+        if tab is None:
+            cb = self.cb
+            tab = self.layers[layer] = (
+                cb.k_weight[layer].detach().float().contiguous().numpy(),
+                cb.k_perm[layer].detach().to(torch.int64).contiguous().numpy(),
+                prepare(cb.tailored_k_codebook(layer)), prepare(cb.v_codebook[layer]))
+        return tab
+
+    def prepared(self, layer: int):
+        """(keys, values) :func:`prepare` output of ``layer`` (for :class:`DecodeTables`)."""
+        _, _, kprep, vprep = self._layer(layer)
+        return kprep, vprep
+
+    def encode_into(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor, k_rows: torch.Tensor,
+                    v_rows: torch.Tensor, code_bytes_k: int, wring: torch.Tensor | None = None,
+                    widx: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
+                    win_v: torch.Tensor | None = None) -> bool:
+        """k_post/v [T, H, d] (any float dtype), positions [T] (< len(cos)), loc [T] slots of
+        k_rows/v_rows (uint8 pool buffers, written in place); optional window targets wring [T]
+        (exact-store entry, 0 = none) and widx [T] (0) into bf16 entries win_k/win_v [E + 1, 1, H, d]
+        (tensors or uint16 numpy views; the pool passes views made once).
+
+        Returns False, having written nothing, when a tailored key or a value is not finite
+        (the caller then uses the reference path, whose argmin defines that case)."""
+        cfg = self.cfg
+        T, H, d = k_post.shape
+        if T == 0:
+            return True
+        for buf in (k_rows, v_rows, win_k, win_v):
+            if buf is not None and not (buf.flags.c_contiguous if isinstance(buf, np.ndarray) else buf.is_contiguous()):
+                raise ValueError("PoolEncoder writes in place: pool buffers must be contiguous")
+        w, kperm, kprep, vprep = self._layer(layer)
+        gk, gv = cfg.group_size_k, cfg.group_size_v
+        kf, vf = _np(k_post, torch.float32), _np(v, torch.float32)
+        pos, locn = _np(positions, torch.int64), _np(loc, torch.int64)
+        cosn, sinn = _arr(cos, _as_f32), _arr(sin, _as_f32)
+        kb, vb = _arr(k_rows, torch.Tensor.numpy), _arr(v_rows, torch.Tensor.numpy)
+        Hs = scale_count(cfg.scale, H)
+        if wring is None:
+            wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
+            wk = wv = _NO_RING[0]
+        else:
+            wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
+            wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
+        if T < _SERIAL_BELOW:  # a decode step: one call
+            return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, SCALE_MODE_ID[cfg.scale], gk, gv,
+                                  kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,
+                                  cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv)
+        kpre = np.empty((T, H, d), np.float32)
+        x = np.empty((T, H * (d // gk), gk), np.float32)
+        sbits = np.zeros((T, Hs), np.uint16)
+        _tailor_keys(kf, pos, cosn, sinn, w, kperm, SCALE_MODE_ID[cfg.scale], gk, kpre, x, sbits)
+        if not (np.isfinite(x).all() and np.isfinite(vf).all()):
+            return False
+        kcodes = np.empty((T, x.shape[1]), np.int32)
+        vcodes = np.empty((T, H * (d // gv)), np.int32)
+        _search(x, kprep, kcodes)
+        _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
+        _write_rows(kcodes, sbits, vcodes, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
+                    locn, kb, vb, kpre, vf, wr, wi, wk, wv)
+        return True

@@ -26,7 +26,7 @@ def layer_nearest(make_codebook, kernels: Optional[bool] = None):
         from numba_kernels import cpu
 
         cpu.set_threads()
-        return cpu.LayerNearest(make_codebook)
+        return codec.LayerNearest(make_codebook, cpu.prepare, cpu.nearest)
     return codec.LayerNearest(make_codebook)
 
 

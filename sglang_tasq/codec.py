@@ -129,17 +129,21 @@ def _first_argmin(d: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 class LayerNearest:
     """:func:`nearest_codeword` (same codes) with each layer's codebook prepared once;
-    ``make_codebook(layer) -> [H, G, K, g]``."""
+    ``make_codebook(layer) -> [H, G, K, g]``. ``prepare(codebook)`` and ``search(x, prepared)``
+    default to this module's plain-torch pair; the Numba CPU kernels pass theirs
+    (``numba_kernels.cpu.prepare`` / ``nearest``, tested to give the same codes)."""
 
-    def __init__(self, make_codebook):
+    def __init__(self, make_codebook, prepare=None, search=None):
         self.make, self.cache = make_codebook, {}
+        self.prepare = prepare or prepare_codebook
+        self.search = search or (lambda x, prep: _nearest_prepared(x, prep, 32))
 
-    def __call__(self, x: torch.Tensor, layer: int, chunk: int = 32) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """x [T, H, G, g] -> codes [T, H, G] int64."""
         prep = self.cache.get(layer)
         if prep is None:
-            prep = self.cache[layer] = prepare_codebook(self.make(layer))
-        return _nearest_prepared(x, prep, chunk)
+            prep = self.cache[layer] = self.prepare(self.make(layer))
+        return self.search(x, prep)
 
 
 def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096, prepared=None) -> torch.Tensor:

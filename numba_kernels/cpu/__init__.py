@@ -17,7 +17,7 @@ Modules (split the way the CUDA half of :mod:`numba_kernels` is):
 - ``_common``: thread count (:func:`set_threads`), shared constants, LLVM intrinsics and bit
   casts (fp16 / bf16 <-> f32), numpy view helpers of the host wrappers.
 - ``search``: nearest-codeword kernels (codeword-vector, lane, one-row) and
-  :func:`prepare` / :func:`nearest` / :class:`LayerNearest`.
+  :func:`prepare` / :func:`nearest` (cached per layer by ``codec.LayerNearest``).
 - ``bitpack``: the one Numba bit-pack loop (``_pack_row``, used by :func:`pack` and the fused
   encoder's row writer), :func:`pack` / :func:`unpack`, ``_codes_of`` (the decode kernel's reader).
 - ``decode``: the split-K decode attention kernel and ``_window_entry`` (the Numba twin of
@@ -39,7 +39,7 @@ from .bitpack import _codes_of, pack, unpack  # noqa: F401  (_codes_of: tests)
 from .decode import _window_entry  # noqa: F401  (the window-rule twin: tests)
 from .encode import _encode_small  # noqa: F401
 from .ops import SPLIT_TOKENS, DecodePlan, DecodeTables, PoolEncoder, decode_attention
-from .search import LayerNearest, nearest, prepare
+from .search import nearest, prepare
 
-__all__ = ["set_threads", "prepare", "nearest", "LayerNearest", "pack", "unpack", "SPLIT_TOKENS",
+__all__ = ["set_threads", "prepare", "nearest", "pack", "unpack", "SPLIT_TOKENS",
            "DecodeTables", "DecodePlan", "decode_attention", "PoolEncoder"]

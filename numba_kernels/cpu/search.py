@@ -3,8 +3,8 @@
 
 ``_nearest`` / ``_nearest_serial`` (codeword-vector kernel, parallel or not), ``_nearest_lanes``
 (tokens across SIMD lanes, g == 8 and many tokens), ``_nearest_row`` (one row, inlined into the
-fused encoder), the dispatcher ``_search``, and the host API :func:`prepare`, :func:`nearest`,
-:class:`LayerNearest`.
+fused encoder), the dispatcher ``_search``, and the host API :func:`prepare`, :func:`nearest`
+(per-layer caching: ``codec.LayerNearest(make, prepare, nearest)``).
 """
 from __future__ import annotations
 
@@ -215,17 +215,3 @@ def nearest(x: torch.Tensor, prepared) -> torch.Tensor:
     if T:
         _search(xf.numpy(), prepared, out)
     return torch.from_numpy(out).to(torch.int64).view(T, H, G)
-
-
-class LayerNearest:
-    """Per-layer prepared :func:`nearest` (``make_codebook(layer) -> [H, G, K, g]``); the
-    same interface as ``codec.LayerNearest``."""
-
-    def __init__(self, make_codebook):
-        self.make, self.cache = make_codebook, {}
-
-    def __call__(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        prep = self.cache.get(layer)
-        if prep is None:
-            prep = self.cache[layer] = prepare(self.make(layer))
-        return nearest(x, prep)

@@ -9,13 +9,12 @@ and values) and its Numba twins (nearest codeword, packing, the fused pool encod
 step and on a prefill), the CPU decode-attention kernel over a pool with radix-shared slots and
 window entries, the HF TaSQ cache's logits on a prompt and greedy steps, and a real SGLang
 engine's greedy tokens and log-probs on two prompts (Numba path, and the torch path on one).
-Module paths are looked up under their old and new names so the same script runs on both sides.
+Module paths are looked up under their old and new names (before and after the\nsrt/hf/packing restructure).
 """
 from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -175,8 +174,9 @@ def _engine(meta: dict) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "spec.json"
             path.write_text(json.dumps(spec))
-            e = dict(os.environ, **env)
-            e.pop("SGLANG_TASQ_CONFIG", None)
+            from sglang_tasq.options import child_env
+
+            e = child_env(drop=("SGLANG_TASQ_CONFIG",), **env)
             p = subprocess.run([sys.executable, str(worker), str(path)], capture_output=True, text=True,
                                timeout=900, env=e, cwd=str(ROOT))
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]

@@ -11,8 +11,15 @@ RAM free before loading, then ``max_total_num_tokens = budget // cell_size``
 window rings as fixed bytes). Free RAM moves on a shared host, so ``--kv-budget-mib B`` fixes
 B: every server gets the same ``--mem-fraction-static`` and ``--max-total-tokens (B - fixed) //
 cell``; the tokens and KV bytes each server got are read back from it (``--kv-budget-mib 0``:
-SGLang's own sizing). Radix cache off everywhere. Writes ``DIR/<server>.json`` (reused unless
-``--force``), ``DIR/summary.json`` and ``DIR/summary.md``.
+SGLang's own sizing). Radix cache off everywhere.
+
+Results: one folder per workload, ``bench/results/serving/<run>/`` (``--results ROOT`` moves
+the root, ``--out DIR`` names the folder itself), where ``<run>`` is a readable slug of the
+workload plus a hash of everything that changes the figures (:func:`workload_key`: model,
+artifact content, lengths, prompts, concurrency levels, budget, window rows, memory fraction,
+rounds, pairing). It holds ``workload.json``, ``<server>.json`` (reused unless ``--force``,
+and only if it records the same run), ``summary.json`` and ``summary.md``; a summary reads only
+its own run's results. ``--dry-run`` prints the folder and what would be reused or run.
 
 Noisy hosts: ``--rounds N`` repeats the servers one after another N times (best round kept);
 ``--paired`` instead keeps every server up (``--sleep-on-idle``) and measures them back to back
@@ -23,10 +30,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import threading
@@ -34,13 +40,20 @@ import time
 from pathlib import Path
 
 from sglang_tasq.demo import _free_port, _get, stop_server, wait_ready
-from sglang_tasq.srt.launch import model_config_dict
+from sglang_tasq.options import child_env
 from sglang_tasq.models import fingerprint, resolve_model
+from sglang_tasq.srt.launch import model_config_dict
+
+from .serving_report import hardware, merge_best, to_markdown, write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "results" / "serving"
+RESULTS = ROOT / "bench" / "results" / "serving"
 SERVERS = ("bf16", "fp8", "tasq")
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
+DATASET = "random-ids (range ratio 1.0, seed 1)"
+# the workload fields that change the measured figures (with the model, the artifact and the dataset)
+KEY_FIELDS = ("input_len", "output_len", "num_prompts", "concurrency", "kv_budget_mib", "window_rows",
+              "mem_fraction_static", "rounds", "paired")
 # quick: in 96 MiB bf16 holds 4 requests of 1024 + 32 tokens, fp8 8; TaSQ's exact window store
 # costs 13.3 MB per running request (SmolLM2), so 96 MiB holds the windows of 4 running requests
 # (53 MB) and 24k tokens of codes (8 rows would need 106 MB, more than the budget)
@@ -57,24 +70,19 @@ def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int) -> dict:
     cells = {"bf16": (bf16, 0), "fp8": (bf16 // 2, 0)}
     if manifest is not None:
         from sglang_tasq.artifact import load_artifact
-        from sglang_tasq.srt.pool import bytes_per_token, window_bytes
+        from sglang_tasq.packing import bytes_per_token
+        from sglang_tasq.windows import SLOT_INDEX_BYTES, store_bytes
 
         cfg = load_artifact(manifest).config
-        from sglang_tasq.srt.plugin import SLOT_INDEX_BYTES
 
         cells["tasq"] = (bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES,
-                         window_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows))
+                         store_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows))
     return cells
 
 
 def budget_tokens(budget_bytes: int, cell: int, fixed: int = 0) -> int:
     """Token slots a pool of ``cell`` bytes each gets from ``budget_bytes`` after ``fixed``."""
     return max(0, (budget_bytes - fixed) // cell)
-
-
-def requests_that_fit(pool_tokens: int, input_len: int, output_len: int) -> int:
-    """Requests whose whole sequence (prompt + output) is resident at once."""
-    return pool_tokens // (input_len + output_len)
 
 
 def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None) -> list:
@@ -146,8 +154,7 @@ def start_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir:
     (None, None, failure record)."""
     base = f"http://127.0.0.1:{(port := _free_port())}"
     cmd = server_cmd(name, model_dir, port, a, max_tokens)
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-               SGLANG_TASQ_WINDOW_ROWS=str(a.window_rows))
+    env = child_env(SGLANG_TASQ_WINDOW_ROWS=str(a.window_rows))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[serving] {name}: {' '.join(cmd)}", flush=True)
     with open(log_dir / f"{name}.log", "w") as log:
@@ -209,128 +216,68 @@ def run_paired(names: list, model_dir: Path, a, caps: dict, log_dir: Path) -> di
             stop_server(proc)
 
 
-def paired_ratios(num: list, den: list) -> list:
-    """Per-round ratios num[i] / den[i] of two servers' paired rounds (None where either failed)."""
-    return [round(x / y, 3) if x and y else None for x, y in zip(num, den)]
+# ---- results keyed by the workload ---------------------------------------------------------
+def artifact_id(manifest: Path | None) -> str | None:
+    """The artifact's identity: a hash of its manifest, which names the tensors file by sha256."""
+    return hashlib.sha1(Path(manifest).read_bytes()).hexdigest()[:12] if manifest else None
 
 
-def merge_best(prev: dict | None, new: dict) -> dict:
-    """Fold one more round of a server into its result: per concurrency the run with the higher
-    output throughput (on a shared host the best of interleaved rounds is the least disturbed
-    one); every round's output tok/s stays under ``rounds_tok_s``."""
-    if prev is None or prev.get("status") != "ok":
-        out = dict(new)
-        out["rounds_tok_s"] = {c: [v.get("output_throughput")] for c, v in new.get("runs", {}).items()}
-        return out
-    if new.get("status") != "ok":
-        return prev
-    out = dict(prev, runs=dict(prev["runs"]), rounds_tok_s={c: list(v) for c, v in prev["rounds_tok_s"].items()})
-    for c, v in new.get("runs", {}).items():
-        out["rounds_tok_s"].setdefault(c, []).append(v.get("output_throughput"))
-        old = out["runs"].get(c)
-        if "error" not in v and (old is None or "error" in old
-                                 or (v.get("output_throughput") or 0) > (old.get("output_throughput") or 0)):
-            out["runs"][c] = v
-    return out
+def workload_key(a) -> dict:
+    """Everything that changes the measured figures of a run. Paired runs also depend on which
+    servers are up together; interleaved ones measure each server alone, so the server list is
+    not part of their key (a later run adds servers to the same folder)."""
+    key = {k: getattr(a, k) for k in KEY_FIELDS}
+    key.update(model=a.model, dataset=DATASET, artifact=artifact_id(a.tasq_config))
+    if a.paired:
+        key["servers"] = sorted(a.servers)
+    return key
 
 
-def hardware() -> dict:
-    cpuinfo, meminfo = Path("/proc/cpuinfo").read_text(), Path("/proc/meminfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")), "?")
-    mem = next((ln.split()[1] for ln in meminfo.splitlines() if ln.startswith("MemTotal")), "0")
-    return {"cpu": model, "cores": os.cpu_count(), "mem_gib": round(int(mem) / 2**20, 1),
-            "amx": "amx_tile" in cpuinfo, "device": "cpu", "python": platform.python_version()}
+def run_name(key: dict) -> str:
+    """``<model>_i<in>o<out>_n<prompts>_c<levels>_kv<MiB>_w<rows>[_r<rounds>][_paired]_<hash>``."""
+    h = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+    extra = (f"_r{key['rounds']}" if key["rounds"] != 1 else "") + ("_paired" if key["paired"] else "")
+    return (f"{Path(key['model']).name}_i{key['input_len']}o{key['output_len']}_n{key['num_prompts']}"
+            f"_c{'-'.join(map(str, key['concurrency']))}_kv{key['kv_budget_mib']:g}_w{key['window_rows']}{extra}_{h}")
 
 
-def summarize(results: dict, workload: dict, hw: dict) -> dict:
-    """Per server: pool_tokens, max_concurrency (requests that fit), throughput_tok_s / ttft_ms per
-    concurrency, ...; ``tasq_vs_bf16``: capacity ratio and TTFT at concurrency 1 (prefill/encode)."""
-    servers = {}
-    for name, r in results.items():
-        if r.get("status") != "ok":
-            servers[name] = {"status": r.get("status", "missing"), "reason": r.get("reason")}
-            continue
-        pool = r.get("max_total_num_tokens") or 0
-        runs = {c: v for c, v in r.get("runs", {}).items() if "error" not in v}
-        col = lambda k: {c: v.get(k) for c, v in runs.items()}  # noqa: E731
-        servers[name] = {
-            "status": "ok", "pool_tokens": pool, "budget_tokens": r.get("budget_tokens"),
-            "cell_bytes": r.get("cell_bytes"), "fixed_bytes": r.get("fixed_bytes"), "kv_cache_gb": r.get("kv_cache_gb"),
-            "max_concurrency": requests_that_fit(pool, workload["input_len"], workload["output_len"]),
-            "server_max_running_requests": r.get("max_running_requests"), "startup_s": r.get("startup_s"),
-            "backend": f"{r.get('attention_backend')}, {r.get('kv_cache_dtype')}",
-            "throughput_tok_s": col("output_throughput"), "total_throughput_tok_s": col("total_throughput"),
-            "ttft_ms": col("mean_ttft_ms"), "median_ttft_ms": col("median_ttft_ms"), "tpot_ms": col("mean_tpot_ms"),
-            "server_peak": col("server_peak"), "rounds_tok_s": r.get("rounds_tok_s"),
-            "errors": {c: v["error"] for c, v in r.get("runs", {}).items() if "error" in v}}
-    out = {"hardware": hw, "workload": {**workload, "tokens_per_request": workload["input_len"] + workload["output_len"]}, "servers": servers}
-    b, t = servers.get("bf16", {}), servers.get("tasq", {})
-    if b.get("status") == t.get("status") == "ok":
-        tb, tt = b["ttft_ms"].get("1"), t["ttft_ms"].get("1")
-        thr = {c: round(t["throughput_tok_s"][c] / b["throughput_tok_s"][c], 2)
-               for c in t["throughput_tok_s"] if b["throughput_tok_s"].get(c) and t["throughput_tok_s"][c]}
-        out["tasq_vs_bf16"] = {"pool_tokens_ratio": round(t["pool_tokens"] / max(b["pool_tokens"], 1), 2),
-                               "throughput_ratio": thr,
-                               "ttft_c1_ms": {"bf16": tb, "tasq": tt},
-                               "ttft_c1_ratio": round(tt / tb, 2) if tb and tt else None,
-                               "prefill_overhead_ms": round(tt - tb, 1) if tb and tt else None}
-        if workload.get("paired"):
-            pr = {c: paired_ratios(t["rounds_tok_s"].get(c, []), b["rounds_tok_s"].get(c, []))
-                  for c in t.get("rounds_tok_s") or {}}
-            out["tasq_vs_bf16"]["paired_ratios"] = pr
-            out["tasq_vs_bf16"]["paired_ratio_median"] = {
-                c: round(statistics.median(v), 2) for c, r in pr.items() if (v := [x for x in r if x])}
-    return out
+def plan(a) -> tuple[Path, str, dict, list]:
+    """-> (run folder, run name, {server: reused result}, [servers to run]). A ``<server>.json``
+    is reused only when it records this run's name (same workload), and never with ``--force``."""
+    name = run_name(workload_key(a))
+    run_dir = Path(a.out) if a.out else Path(a.results) / name
+    reused, todo = {}, []
+    for server in a.servers:
+        path = run_dir / f"{server}.json"
+        prev = json.loads(path.read_text()) if path.is_file() and not a.force else None
+        if prev is not None and prev.get("run") == name:
+            reused[server] = prev
+        else:
+            if prev is not None:
+                why = f"run {prev['run']}" if prev.get("run") else "no run recorded (older layout)"
+                print(f"[serving] {server}: {path} is not this workload's result ({why}), rerunning")
+            todo.append(server)
+    return run_dir, name, reused, todo
 
 
-def _f(x, nd=1) -> str:
-    return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+def run_servers(todo: list, model_dir: Path, a, cells: dict, caps: dict, save) -> None:
+    """Measure the ``todo`` servers (paired or interleaved rounds); ``save(name, result)`` after each."""
+    def stamp(name, res):
+        cell, fixed = cells[name]
+        return dict(res, cell_bytes=cell, fixed_bytes=fixed, budget_tokens=caps[name])
 
-
-def to_markdown(s: dict) -> str:
-    hw, w = s["hardware"], s["workload"]
-    lines = ["# Serving: bf16 vs fp8 vs TaSQ KV cache, same KV memory budget", "",
-             f"Hardware: {hw['cpu']}, {hw['cores']} cores, {hw['mem_gib']} GiB RAM ({hw['device']}). "
-             f"Model: {w['model']} ({w['model_dir']}). TaSQ artifact: {w['tasq_config']}.",
-             f"Workload: `sglang.benchmark.serving` {w['dataset']}, input {w['input_len']} + output "
-             f"{w['output_len']} tokens, max({w['num_prompts']}, concurrency) prompts at concurrency {w['concurrency']}; "
-             f"KV budget {w['kv_budget_mib']} MiB per server (TaSQ: exact windows for {w['window_rows']} running requests "
-             f"included), preset `{w['preset']}`; best of {w.get('rounds', 1)} "
-             f"{'paired' if w.get('paired') else 'interleaved'} round(s) per server and concurrency (by output tok/s).", "",
-             "| server | attention, KV dtype | bytes/token | pool tokens | KV GB (server) | requests that fit | "
-             "server max_running_requests |", "|---|---|---|---|---|---|---|"]
-    for n, v in s["servers"].items():
-        lines.append(f"| {n} | {v['status']}: {v.get('reason') or ''} | | | | | |" if v["status"] != "ok" else
-                     f"| {n} | {v['backend']} | {v['cell_bytes']} | {v['pool_tokens']} | {_f(v['kv_cache_gb'], 3)} | "
-                     f"{v['max_concurrency']} | {v['server_max_running_requests']} |")
-    lines += ["", "| server | concurrency | output tok/s | total tok/s | mean TTFT ms | median TTFT ms | TPOT ms | "
-              "peak running / waiting |", "|---|---|---|---|---|---|---|---|"]
-    for n, v in s["servers"].items():
-        for c in v.get("ttft_ms", {}):
-            lines.append(f"| {n} | {c} | {_f(v['throughput_tok_s'][c], 2)} | {_f(v['total_throughput_tok_s'][c], 1)} | "
-                         f"{_f(v['ttft_ms'][c])} | {_f(v['median_ttft_ms'][c])} | {_f(v['tpot_ms'][c])} | "
-                         f"{_f(v['server_peak'][c].get('num_running_reqs'))} / {_f(v['server_peak'][c].get('num_waiting_reqs'))} |")
-        for c, e in v.get("errors", {}).items():
-            lines.append(f"| {n} | {c} | error: {e} | | | | | |")
-    r = s.get("tasq_vs_bf16")
-    if r:
-        ratios = ", ".join(f"{v}x at {c}" for c, v in r.get("throughput_ratio", {}).items())
-        lines += ["", f"TaSQ vs bf16: {r['pool_tokens_ratio']}x pool tokens in the same budget; output throughput "
-                  f"{ratios or '-'}; TTFT at concurrency 1 "
-                  f"{_f(r['ttft_c1_ms']['tasq'])} ms vs {_f(r['ttft_c1_ms']['bf16'])} ms "
-                  f"({r['ttft_c1_ratio']}x, prefill + encode overhead {_f(r['prefill_overhead_ms'])} ms)."]
-        if r.get("paired_ratio_median"):
-            lines += ["", "Paired rounds (servers measured back to back each round): TaSQ/bf16 output throughput, "
-                      "median over rounds " + ", ".join(f"{v}x at {c}" for c, v in r["paired_ratio_median"].items())
-                      + "; per round " + "; ".join(f"{c}: {r['paired_ratios'][c]}" for c in r["paired_ratios"]) + "."]
-    return "\n".join(lines) + "\n"
-
-
-def write_summary(results: dict, workload: dict, hw: dict, out: Path) -> dict:
-    s = summarize(results, workload, hw)  # -> summary.json, summary.md
-    (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
-    (out / "summary.md").write_text(to_markdown(s))
-    return s
+    if a.paired:
+        for name, res in run_paired(todo, model_dir, a, caps, a.run_dir / "work").items():
+            save(name, stamp(name, res))
+        return
+    best = {}
+    for rnd in range(a.rounds):  # servers interleaved, so a slow spell of a shared host hits all of them
+        for name in todo:
+            if a.rounds > 1:
+                print(f"[serving] round {rnd + 1}/{a.rounds}", flush=True)
+            res = stamp(name, run_server(name, model_dir, a, caps[name], a.run_dir / "work"))
+            best[name] = merge_best(best.get(name), res)
+            save(name, best[name])
 
 
 def parse_args(argv=None):
@@ -348,8 +295,10 @@ def parse_args(argv=None):
     ap.add_argument("--mem-fraction-static", type=float, default=0.1, help="same for every server")
     ap.add_argument("--start-timeout", type=float, default=300)
     ap.add_argument("--bench-timeout", type=float, default=900)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="root of the per-workload run folders")
+    ap.add_argument("--out", type=Path, default=None, help="this run's folder (default: RESULTS/<run name>)")
     ap.add_argument("--force", action="store_true", help="rerun servers whose results exist")
+    ap.add_argument("--dry-run", action="store_true", help="print the run folder and what would be reused or run")
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved rounds over the servers; each figure is the best round (shared, noisy hosts)")
     ap.add_argument("--paired", action="store_true",
@@ -358,47 +307,40 @@ def parse_args(argv=None):
     a.preset = "quick" if a.quick else "full"
     for k, v in PRESETS[a.preset].items():
         setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
+    a.kv_budget_mib = int(a.kv_budget_mib) if float(a.kv_budget_mib).is_integer() else a.kv_budget_mib
     a.tasq_config = a.tasq_config or next((p for p in DEFAULT_ARTIFACTS if p.is_file()), None)
     if "tasq" in a.servers and (a.tasq_config is None or not Path(a.tasq_config).is_file()):
         ap.error("tasq needs --tasq-config PATH (no calibrated artifact found)")
     return a
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, launch=run_servers) -> int:
+    """``launch``: what measures the servers that have no result (:func:`run_servers`)."""
     a = parse_args(argv)
+    a.run_dir, name, results, todo = plan(a)
+    for server in results:
+        print(f"[serving] {server}: reusing {a.run_dir / (server + '.json')} (--force reruns)")
+    if a.dry_run:
+        print(f"[serving] run folder {a.run_dir} ({'exists' if a.run_dir.is_dir() else 'new'}); "
+              f"to run: {' '.join(todo) or 'nothing'}")
+        return 0
     model_dir = resolve_model(a.model)
     cells = kv_cells(model_dir, a.tasq_config if "tasq" in a.servers else None, a.window_rows)
     budget = int(a.kv_budget_mib * 2**20)
-    a.out.mkdir(parents=True, exist_ok=True)
-    results, todo = {}, []
-    for name in a.servers:
-        path = a.out / f"{name}.json"
-        if path.is_file() and not a.force:
-            print(f"[serving] {name}: reusing {path} (--force reruns)")
-            results[name] = json.loads(path.read_text())
-        else:
-            todo.append(name)
-    caps = {n: budget_tokens(budget, *cells[n]) if budget else None for n in todo}
-    if a.paired and todo:
-        for name, res in run_paired(todo, model_dir, a, caps, a.out / "work").items():
-            cell, fixed = cells[name]
-            results[name] = dict(res, cell_bytes=cell, fixed_bytes=fixed, budget_tokens=caps[name])
-            (a.out / f"{name}.json").write_text(json.dumps(results[name], indent=1) + "\n")
-        todo = []
-    for rnd in range(a.rounds):  # servers interleaved, so a slow spell of a shared host hits all of them
-        for name in todo:
-            cell, fixed = cells[name]
-            if a.rounds > 1:
-                print(f"[serving] round {rnd + 1}/{a.rounds}", flush=True)
-            res = run_server(name, model_dir, a, caps[name], a.out / "work")
-            res.update(cell_bytes=cell, fixed_bytes=fixed, budget_tokens=caps[name])
-            results[name] = merge_best(results.get(name) if rnd else None, res)
-            (a.out / f"{name}.json").write_text(json.dumps(results[name], indent=1) + "\n")
-    workload = {k: getattr(a, k) for k in ("preset", "input_len", "output_len", "num_prompts", "concurrency",
-                                           "kv_budget_mib", "window_rows", "mem_fraction_static", "rounds", "paired")}
-    workload.update(model=a.model, model_dir=model_dir.name, dataset="random-ids (range ratio 1.0, seed 1)",
-                    tasq_config=os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None)
-    print(to_markdown(write_summary(results, workload, hardware(), a.out)))
+    a.run_dir.mkdir(parents=True, exist_ok=True)
+    art = os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None
+    (a.run_dir / "workload.json").write_text(json.dumps({"run": name, **workload_key(a), "artifact_path": art}, indent=1) + "\n")
+
+    def save(server: str, res: dict) -> None:
+        results[server] = dict(res, run=name)
+        (a.run_dir / f"{server}.json").write_text(json.dumps(results[server], indent=1) + "\n")
+
+    if todo:
+        launch(todo, model_dir, a, cells, {n: budget_tokens(budget, *cells[n]) if budget else None for n in todo}, save)
+    workload = {k: getattr(a, k) for k in ("preset", *KEY_FIELDS)}
+    workload.update(run=name, model=a.model, model_dir=model_dir.name, dataset=DATASET, tasq_config=art)
+    print(to_markdown(write_summary({s: results[s] for s in a.servers if s in results}, workload, hardware(), a.run_dir)))
+    print(f"[serving] run folder: {a.run_dir}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """``make demo``: serve SmolLM2 with the TaSQ KV cache on this machine and ask it two things.
 
-``python -m sglang_tasq.demo [--artifact DIR] [--port N] [--cpu]``:
+``python -m sglang_tasq.demo [--artifact DIR] [--port N] [--log FILE]``:
 
 1. materializes the model (:func:`models.resolve_model`);
 2. calibrates once if no artifact is cached (``python -m calibrate --model smollm2-135m
@@ -9,10 +9,15 @@
    on 127.0.0.1, sends a chat request and a needle-in-a-haystack request through the
    OpenAI-compatible API, prints the answers and the KV pool capacity (tokens) against bf16
    in the same memory, and shuts the server down.
+
+The server's output goes to a log file (``--log``, default ``~/.cache/sglang-tasq/logs/
+demo-server.log``) whose path the demo prints, so the console shows only ``[demo]`` lines; if
+the server exits early the demo prints the log's last lines and exits 1.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .options import child_env
 from .models import resolve_model
+from .paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARTIFACT = ROOT / "artifacts" / "smollm2"
@@ -70,15 +77,42 @@ def wait_ready(base: str, proc, timeout: float = 600) -> None:
     raise TimeoutError(f"server not ready after {timeout:.0f} s")
 
 
-def stop_server(proc, timeout: float = 30) -> None:
-    """Stop a server started with ``start_new_session=True`` (its whole process group)."""
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def stop_server(proc, timeout: float = 60) -> None:
+    """Stop a server started with ``start_new_session=True``: SIGTERM to the launcher alone,
+    SGLang's graceful path (it drains, sends its scheduler a shutdown request, waits for it and
+    exits). A signal to the whole process group instead kills the scheduler under the launcher,
+    whose watchdog then reports "Subprocess scheduler_0 crashed ... SIGQUIT". Whatever of the
+    group is still alive after ``timeout`` s (or after a launcher that had already exited) gets
+    SIGKILL."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+    t0 = time.time()  # the launcher's children leave on their own within seconds of it
+    while _group_alive(proc.pid) and time.time() - t0 < 10:
+        time.sleep(0.2)
+    if _group_alive(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout)
+    if proc.poll() is None:
+        proc.wait(timeout=timeout)
+
+
+def log_tail(path: Path, n: int = 30) -> str:
+    """The last ``n`` lines of a log file (what to show when a server fails)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
 
 
 def chat(base: str, model: str, text: str, max_tokens: int = 48) -> str:
@@ -95,7 +129,7 @@ def haystack(n_sentences: int = 60) -> str:
 
 def capacity(info: dict, art_path: Path) -> str:
     from .artifact import load_artifact
-    from .srt.pool import bytes_per_token
+    from .packing import bytes_per_token
 
     art = load_artifact(art_path)
     fp = art.model
@@ -118,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--mem-fraction-static", type=float, default=0.1)
+    ap.add_argument("--log", type=Path, default=None, help="server log file (default: CACHE/logs/demo-server.log)")
     a = ap.parse_args(argv)
     model_dir = resolve_model("smollm2-135m")
     manifest = ensure_artifact(a.artifact, model_dir)
@@ -126,18 +161,26 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--tasq-config", str(manifest),
            "--device", "cpu", "--attention-backend", "tasq", "--disable-cuda-graph", "--host", "127.0.0.1",
            "--port", str(port), "--mem-fraction-static", str(a.mem_fraction_static), "--max-running-requests", "16"]
-    env = dict(os.environ, SGLANG_TASQ_WINDOW_ROWS=os.environ.get("SGLANG_TASQ_WINDOW_ROWS", "16"))
+    env = child_env()  # the store is sized from --max-running-requests 16
+    log_path = a.log or cache_dir("logs") / "demo-server.log"
     print("[demo] " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    print(f"[demo] server log: {log_path}", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     try:
-        wait_ready(base, proc)
+        try:
+            wait_ready(base, proc)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"[demo] server failed: {e}; last lines of {log_path}:\n{log_tail(log_path)}", flush=True)
+            return 1
         name = str(model_dir)
         print(f"[demo] chat  > What is the capital of France?\n[demo] chat  < {chat(base, name, 'What is the capital of France?')}")
         answer = chat(base, name, haystack(), max_tokens=16)
         code = NEEDLE.rstrip(".").split()[-1]
         print(f"[demo] needle ({NEEDLE!r} hidden in ~{len(haystack().split())} words) < {answer} "
               f"({'found' if code in answer else 'missed'})")
-        print(capacity(_get(base + "/get_server_info"), manifest))
+        print(capacity(_get(base + "/get_server_info"), manifest), flush=True)
     finally:
         stop_server(proc)
         print("[demo] server stopped")

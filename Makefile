@@ -3,13 +3,18 @@ PY := .venv/bin/python
 # OpenMP threads that spin while waiting slow torch down badly when processes share 2 cores.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup test test-all demo calibrate clean
+.PHONY: setup test test-fast demo calibrate clean
 
 setup:
 	bash scripts/setup.sh
 
+# Everything (what CI runs: .ci/run). ~17 min on 2 cores, plus a one-time ~6 min calibration.
 test: setup
 	$(PY) -m pytest -q
+
+# The edit loop: no engine, server, real model or calibration (-m "not slow"; ~3 min on 2 cores).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 demo: setup
 	$(PY) -m sglang_tasq.demo

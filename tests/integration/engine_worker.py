@@ -7,10 +7,11 @@ line (one JSON object). SPEC: ``{"engine": {Engine kwargs}, "tasq_config": path 
 {...}, "return_logprob": bool}, {"op": "flush"}, {"op": "info"}]}``. A launch refusal prints
 its one line on stderr and exits 2.
 
-``make_random_artifact(out_dir, model_dir, **config)`` writes a wiring-only artifact with
+``make_random_artifact(out_dir, model_path, **config)`` writes a wiring-only artifact with
 random codebooks (garbage quality, valid format) for the served model. The test helpers
-(``run_worker``, ``pick_artifact`` (a calibrated artifact, made once), ``reference_logprobs``
-with the HF TaSQ cache, independent of SGLang) live here too.
+``run_worker``, ``chat_ids`` and ``reference_logprobs`` (the HF TaSQ cache, independent of
+SGLang) live here too; ``model_dir`` and ``pick_artifact`` come from ``tests/_support.py`` (in
+pytest, use the ``smollm2_dir`` and ``artifact`` fixtures of ``tests/conftest.py``).
 """
 from __future__ import annotations
 
@@ -20,38 +21,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:  # run as a script (sys.path[0] is tests/integration)
+    sys.path.insert(0, str(TESTS))
+
+from _support import ROOT, pick_artifact  # noqa: E402,F401  (pick_artifact: re-exported)
+
 WORKER = ROOT / "tests" / "integration" / "engine_worker.py"
-REAL_ARTIFACT = ROOT / "artifacts" / "smollm2" / "tasq.json"
-
-
-def model_dir() -> Path:
-    from sglang_tasq.models import resolve_model
-
-    return resolve_model("smollm2-135m")
-
-
-def pick_artifact(tmp_dir: Path) -> tuple[Path, bool]:
-    """(manifest path, True): ``artifacts/smollm2`` if it loads for the model, else a default-preset
-    calibration of SmolLM2 cached under ``cache_dir("artifacts")`` (made once, ~6 min on 2 cores;
-    the default, not the fast preset: the 2k needle test needs its quality).
-    A calibration failure fails the caller: engine tests never fall back to random codebooks."""
-    from sglang_tasq.srt.launch import TaSQLaunchError, load_checked_artifact
-    from sglang_tasq.paths import cache_dir
-
-    if REAL_ARTIFACT.is_file():
-        try:
-            load_checked_artifact(str(REAL_ARTIFACT), str(model_dir()))
-            return REAL_ARTIFACT, True
-        except TaSQLaunchError:
-            pass
-    out = cache_dir("artifacts") / "smollm2"
-    manifest = out / "tasq.json"
-    if not manifest.is_file():
-        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out),
-                        "--quiet"], check=True, cwd=str(ROOT), timeout=2400)
-    load_checked_artifact(str(manifest), str(model_dir()))
-    return manifest, True
 
 
 def run_worker(spec: dict, tmp_dir: Path, name: str, timeout: int = 900, env: dict | None = None):
@@ -73,17 +49,18 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def reference_logprobs(codebooks, prompt_ids: list[int], out_ids: list[int], sink: int, recent: int) -> list[float]:
-    """Teacher-forced log-probs of ``out_ids`` after ``prompt_ids`` with the HF TaSQ cache fed one
-    token at a time, so every query (prompt ones included) reads the window rule of
-    ``sglang_tasq.windows`` exactly as the served engine does (key j exact iff j < sink or
-    j >= i + 1 - recent, codes otherwise)."""
+def reference_logprobs(model_path, codebooks, prompt_ids: list[int], out_ids: list[int], sink: int,
+                       recent: int) -> list[float]:
+    """Teacher-forced log-probs of ``out_ids`` after ``prompt_ids`` with the model at ``model_path``
+    and the HF TaSQ cache fed one token at a time, so every query (prompt ones included) reads
+    the window rule of ``sglang_tasq.windows`` exactly as the served engine does (key j exact
+    iff j < sink or j >= i + 1 - recent, codes otherwise)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from sglang_tasq.hf.cache import TaSQCache
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
     model.eval()
     cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True)
     seq, out = list(prompt_ids) + list(out_ids), []
@@ -95,14 +72,15 @@ def reference_logprobs(codebooks, prompt_ids: list[int], out_ids: list[int], sin
     return out
 
 
-def make_random_artifact(out_dir, model_dir, seed: int = 0, **config) -> Path:
-    """Random valid codebooks for ``model_dir``'s shapes -> DIR/tasq.json (wiring tests only)."""
+def make_random_artifact(out_dir, model_path, seed: int = 0, **config) -> Path:
+    """Random valid codebooks for the shapes of the model at ``model_path`` -> DIR/tasq.json (wiring
+    tests only)."""
     from sglang_tasq.artifact import save_artifact
     from sglang_tasq.config import TaSQConfig
     from sglang_tasq.models import fingerprint, load_config
     from sglang_tasq.testing import random_codebooks
 
-    fp = fingerprint(load_config(model_dir))
+    fp = fingerprint(load_config(model_path))
     cfg = TaSQConfig(**config)
     cb = random_codebooks(fp.num_layers, fp.num_kv_heads, fp.head_dim, config=cfg, seed=seed,
                           rope_theta=fp.rope_theta)

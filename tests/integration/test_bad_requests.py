@@ -20,12 +20,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
-from engine_worker import ROOT, model_dir  # noqa: E402
-
-from sglang_tasq.demo import _free_port, stop_server, wait_ready  # noqa: E402
-from sglang_tasq.srt.plugin import EMPTY_PROMPT_MESSAGE  # noqa: E402
+from _support import ROOT
+from sglang_tasq.demo import _free_port, stop_server, wait_ready
+from sglang_tasq.srt.plugin import EMPTY_PROMPT_MESSAGE
 
 NORMAL = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
@@ -61,10 +58,10 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, smollm2_dir):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir()), "--device", "cpu",
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(smollm2_dir), "--device", "cpu",
            "--disable-cuda-graph", "--attention-backend", "torch_native", "--mem-fraction-static", "0.05",
            "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
@@ -136,9 +133,9 @@ def test_other_bad_requests_are_4xx(server, path, body, raw):
     assert server.proc.poll() is None, server.log_tail()
 
 
-def test_server_still_answers(server):
+def test_server_still_answers(server, smollm2_dir):
     server.assert_up()
-    status, text = server.post("/v1/completions", {"model": str(model_dir()), "prompt": "The capital of France is",
+    status, text = server.post("/v1/completions", {"model": str(smollm2_dir), "prompt": "The capital of France is",
                                                    "max_tokens": 4, "temperature": 0})
     assert status == 200, (status, text)
     assert json.loads(text)["choices"][0]["text"]

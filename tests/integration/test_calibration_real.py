@@ -10,7 +10,7 @@ import pytest
 from calibrate import pipeline
 from sglang_tasq.artifact import load_artifact
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.models import fingerprint, load_config, resolve_model
+from sglang_tasq.models import fingerprint, load_config
 
 SMALL = dict(codebook_size_k=64, codebook_size_v=64, calib_tokens=4096, fisher_tokens=2048,
              max_kmeans_samples=4096, kmeans_iters=6)
@@ -35,9 +35,9 @@ def test_tasq_logit_error_below_cq_on_heldout_keys(prepared, tasq):
     assert gc["tasq"] < gc["contiguous"]
 
 
-def test_artifact_is_valid_for_the_model(tasq, tmp_path):
+def test_artifact_is_valid_for_the_model(tasq, smollm2_dir, tmp_path):
     mpath = pipeline.write(tasq, tmp_path / "a")
-    fp = fingerprint(load_config(resolve_model("smollm2-135m")))
+    fp = fingerprint(load_config(smollm2_dir))
     art = load_artifact(mpath, model=fp)
     assert art.manifest["bits_k"] == pytest.approx(6 / 8 + 16 / (3 * 64))
     assert art.manifest["bits_v"] == pytest.approx(6 / 8)

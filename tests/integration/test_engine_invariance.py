@@ -21,9 +21,7 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
-from engine_worker import chat_ids, model_dir, pick_artifact, reference_logprobs, run_worker  # noqa: E402
+from engine_worker import chat_ids, reference_logprobs, run_worker
 
 NEW = 12
 GREEDY = {"temperature": 0, "max_new_tokens": NEW}
@@ -39,19 +37,8 @@ def _haystack(n: int, code: str, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir())
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    return pick_artifact(tmp_path_factory.mktemp("art"))[0]
-
-
-@pytest.fixture(scope="module")
-def prompts(tok):
+def prompts(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     main = [chat_ids(tok, _haystack(n, c, s)) for n, c, s in ((60, "7421", 1), (45, "3945", 3))]
     others = [chat_ids(tok, _haystack(30 + 3 * i, str(1000 + 37 * i), i + 2)) for i in range(14)]
     unrelated = [chat_ids(tok, q) for q in ("What is the capital of France?", "Name three colours.")]
@@ -85,8 +72,8 @@ def _tasks(p, full: bool = True):
     return t
 
 
-def _run(artifact, prompts, tmp, name, env=None, engine=None, full=True):
-    spec = {"engine": dict({"model_path": str(model_dir()), "mem_fraction_static": 0.05}, **(engine or {})),
+def _run(model, artifact, prompts, tmp, name, env=None, engine=None, full=True):
+    spec = {"engine": dict({"model_path": str(model), "mem_fraction_static": 0.05}, **(engine or {})),
             "tasq_config": str(artifact), "tasks": _tasks(prompts, full)}
     rc, out, err = run_worker(spec, tmp, name, env=dict({"SGLANG_TASQ_WINDOW_ROWS": str(ROWS)}, **(env or {})))
     assert rc == 0 and out is not None, err[-3000:]
@@ -100,14 +87,14 @@ def _run(artifact, prompts, tmp, name, env=None, engine=None, full=True):
 
 
 @pytest.fixture(scope="module")
-def numba_run(artifact, prompts, tmp_path_factory):
-    return _run(artifact, prompts, tmp_path_factory.mktemp("nb"), "numba")
+def numba_run(smollm2_dir, artifact, prompts, tmp_path_factory):
+    return _run(smollm2_dir, artifact, prompts, tmp_path_factory.mktemp("nb"), "numba")
 
 
 @pytest.fixture(scope="module")
-def torch_chunked_run(artifact, prompts, tmp_path_factory):
+def torch_chunked_run(smollm2_dir, artifact, prompts, tmp_path_factory):
     # + SGLang's test hook that retracts running decode requests every third forward
-    return _run(artifact, prompts, tmp_path_factory.mktemp("tc"), "torch",
+    return _run(smollm2_dir, artifact, prompts, tmp_path_factory.mktemp("tc"), "torch",
                 env={"SGLANG_TASQ_CPU_KERNELS": "0", "SGLANG_TEST_RETRACT": "1"},
                 engine={"chunked_prefill_size": 256, "log_level": "warning"}, full=False)
 
@@ -140,7 +127,7 @@ def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_c
     assert torch_chunked_run["cold"] == numba_run["cold"]
 
 
-def test_logprobs_match_hf_token_by_token(numba_run, prompts, artifact):
+def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artifact):
     """Teacher-forced log-probs of the engine's tokens under the HF TaSQ cache fed one token at a
     time (each query sees the window rule exactly). Tolerance: what differs is arithmetic, not
     what is read: the engine attends in fp32 over decoded codes and bf16 windows, HF casts the
@@ -154,7 +141,7 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, artifact):
     lp = numba_run["logprobs"][1]
     ids = [t for _, t in lp]
     cfg = art.config
-    ref = reference_logprobs(art.codebooks, prompts["main"][1], ids, cfg.sink_window, cfg.recent_window)
+    ref = reference_logprobs(smollm2_dir, art.codebooks, prompts["main"][1], ids, cfg.sink_window, cfg.recent_window)
     diffs = [abs(a - b) for (a, _), b in zip(lp, ref)]
     print('logprob diffs', [round(x, 4) for x in diffs])
     assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.05, (diffs, lp, ref)

@@ -1,17 +1,15 @@
 """End to end: a real ``sglang.Engine`` on CPU with SmolLM2 and a TaSQ artifact (one engine
 per module, in a subprocess), against a plain engine (plugin inactive) and the HF reference.
 
-The artifact is ``artifacts/smollm2`` when present, else a fast-preset calibration made once
-and cached (``engine_worker.pick_artifact``): the answer, capacity, agreement with the HF
-reference cache and prefix sharing are all asserted on a calibrated artifact.
+The artifact is ``artifacts/smollm2`` when present, else a default-preset calibration made once
+and cached (the ``artifact`` fixture of ``tests/conftest.py``): the answer, capacity, agreement
+with the HF reference cache and prefix sharing are all asserted on a calibrated artifact.
 """
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
-from engine_worker import model_dir, pick_artifact, run_worker  # noqa: E402
+from engine_worker import chat_ids, run_worker
 
 RINGS = 8  # SGLANG_TASQ_WINDOW_ROWS: running requests whose windows the exact store holds
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -24,21 +22,8 @@ def _long_prompt(tok, n_items: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir())
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    return pick_artifact(tmp_path_factory.mktemp("art"))
-
-
-@pytest.fixture(scope="module")
-def prompts(tok):
-    from engine_worker import chat_ids
-
+def prompts(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     prefix = _long_prompt(tok, 60)  # ~500 tokens: past sink + recent, so codes are read
     from bench import niah
 
@@ -50,7 +35,7 @@ def prompts(tok):
 
 
 @pytest.fixture(scope="module")
-def tasq_run(artifact, prompts, tmp_path_factory):
+def tasq_run(smollm2_dir, artifact, prompts, tmp_path_factory):
     gen = lambda ids, sp=GREEDY, lp=True: {"op": "generate", "input_ids": ids, "sampling_params": sp, "return_logprob": lp}  # noqa: E731
     warm = gen(prompts["prefix"], dict(GREEDY, max_new_tokens=1), False)
     tasks = [{"op": "info"}, gen(prompts["chat"], dict(GREEDY, max_new_tokens=12)), gen(prompts["long"]),
@@ -58,16 +43,16 @@ def tasq_run(artifact, prompts, tmp_path_factory):
     for ids in prompts["shared"]:  # same cache state as the batch saw: only the prefix cached
         tasks += [{"op": "flush"}, warm, gen(ids, GREEDY, False)]
     tasks += [{"op": "flush"}] + [gen(ids, dict(GREEDY, max_new_tokens=24), False) for ids in prompts["needle"]]
-    spec = {"engine": {"model_path": str(model_dir()), "mem_fraction_static": 0.05},
-            "tasq_config": str(artifact[0]), "tasks": tasks}
+    spec = {"engine": {"model_path": str(smollm2_dir), "mem_fraction_static": 0.05},
+            "tasq_config": str(artifact), "tasks": tasks}
     rc, out, err = run_worker(spec, tmp_path_factory.mktemp("tq"), "tasq", env={"SGLANG_TASQ_WINDOW_ROWS": str(RINGS)})
     assert rc == 0 and out is not None, err[-3000:]
     return out["results"]
 
 
 @pytest.fixture(scope="module")
-def base_run(prompts, tmp_path_factory):
-    spec = {"engine": {"model_path": str(model_dir()), "mem_fraction_static": 0.05}, "tasq_config": None,
+def base_run(smollm2_dir, prompts, tmp_path_factory):
+    spec = {"engine": {"model_path": str(smollm2_dir), "mem_fraction_static": 0.05}, "tasq_config": None,
             "tasks": [{"op": "info"}, {"op": "generate", "input_ids": prompts["chat"],
                                        "sampling_params": dict(GREEDY, max_new_tokens=12)}]}
     rc, out, err = run_worker(spec, tmp_path_factory.mktemp("base"), "base")
@@ -95,7 +80,7 @@ def test_capacity_at_same_memory(tasq_run, base_run, artifact):
     from sglang_tasq.packing import bytes_per_token
     from sglang_tasq.windows import SLOT_INDEX_BYTES, store_bytes
 
-    art = load_checked_artifact(str(artifact[0]), None)
+    art = load_checked_artifact(str(artifact), None)
     fp, cfg = art.model, art.config
     per_token = bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES
     bf16_per_token = 2 * fp.num_kv_heads * fp.head_dim * 2 * fp.num_layers

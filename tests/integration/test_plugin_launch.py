@@ -1,7 +1,7 @@
 """Launch-time refusals: every malformed or mismatched artifact and every unsupported server
-option is refused with one line naming the cause (in process, fast), and the real launchers
+option is refused with one line naming the cause (in process, seconds), and the real launchers
 (``python -m sglang.launch_server``, ``sglang.Engine``) exit non-zero with that one line
-before any weights load (subprocess, slow)."""
+before any weights load (subprocess, minutes). All ``slow``: tests/integration is."""
 from __future__ import annotations
 
 import json
@@ -12,21 +12,26 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine_worker import ROOT, make_random_artifact, model_dir, run_worker
+from _support import ROOT
+from engine_worker import make_random_artifact, run_worker
 from sglang_tasq.srt.launch import TaSQLaunchError, validate
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return make_random_artifact(tmp_path_factory.mktemp("good"), model_dir())
+def good(tmp_path_factory, smollm2_dir):
+    return make_random_artifact(tmp_path_factory.mktemp("good"), smollm2_dir)
 
 
-def _args(**kw):
-    base = dict(model_path=str(model_dir()), attention_backend=None, prefill_attention_backend=None,
-                decode_attention_backend=None, speculative_algorithm=None, page_size=None, tp_size=1,
-                pp_size=1, dp_size=1, kv_cache_dtype="auto")
-    base.update(kw)
-    return SimpleNamespace(**base)
+@pytest.fixture
+def args(smollm2_dir):
+    """``args(**overrides)``: the server arguments ``validate`` reads, for SmolLM2 by default."""
+    def make(**kw):
+        base = dict(model_path=str(smollm2_dir), attention_backend=None, prefill_attention_backend=None,
+                    decode_attention_backend=None, speculative_algorithm=None, page_size=None, tp_size=1,
+                    pp_size=1, dp_size=1, kv_cache_dtype="auto")
+        base.update(kw)
+        return SimpleNamespace(**base)
+    return make
 
 
 def _assert_refused(sa, path, *needles):
@@ -39,8 +44,8 @@ def _assert_refused(sa, path, *needles):
     return msg
 
 
-def test_good_artifact_passes(good):
-    art = validate(_args(), str(good))
+def test_good_artifact_passes(good, args):
+    art = validate(args(), str(good))
     assert art.model.num_layers == 30
 
 
@@ -48,8 +53,8 @@ def test_good_artifact_passes(good):
     (dict(page_size=16), "--page-size 16"), (dict(tp_size=2), "--tp-size 2"),
     (dict(speculative_algorithm="EAGLE"), "speculative"), (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
     (dict(attention_backend="triton"), "--attention-backend triton"), (dict(dp_size=2), "--dp-size 2")])
-def test_unsupported_server_options(good, kw, needle):
-    _assert_refused(_args(**kw), good, needle)
+def test_unsupported_server_options(good, args, kw, needle):
+    _assert_refused(args(**kw), good, needle)
 
 
 def _copy(good, tmp_path):
@@ -58,29 +63,29 @@ def _copy(good, tmp_path):
     return d / "tasq.json"
 
 
-def test_wrong_model_shapes(tmp_path):
+def test_wrong_model_shapes(tmp_path, smollm2_dir, args):
     from sglang_tasq.artifact import save_artifact
     from sglang_tasq.models import fingerprint, load_config
     from sglang_tasq.testing import random_codebooks
     import dataclasses
 
-    fp = dataclasses.replace(fingerprint(load_config(model_dir())), num_layers=2)
+    fp = dataclasses.replace(fingerprint(load_config(smollm2_dir)), num_layers=2)
     path = save_artifact(tmp_path, random_codebooks(2, 3, 64, rope_theta=1e5), fp, calibration={})
-    _assert_refused(_args(), path, "model.num_layers", "artifact has 2", "model has 30")
+    _assert_refused(args(), path, "model.num_layers", "artifact has 2", "model has 30")
 
 
-def test_wrong_rope_theta(good, tmp_path):
+def test_wrong_rope_theta(good, args, tmp_path):
     p = _copy(good, tmp_path)
     m = json.loads(p.read_text())
     m["model"]["rope_theta"] = 10000.0
     p.write_text(json.dumps(m))
-    _assert_refused(_args(), p, "model.rope_theta")
+    _assert_refused(args(), p, "model.rope_theta")
 
 
 @pytest.mark.parametrize("damage,needle", [
     ("truncate", "tensors.bytes"), ("json", "not valid JSON"), ("missing", "no such file"),
     ("version", "format_version"), ("bits", "bits_k")])
-def test_malformed_artifacts(good, tmp_path, damage, needle):
+def test_malformed_artifacts(good, args, tmp_path, damage, needle):
     p = _copy(good, tmp_path)
     if damage == "truncate":
         t = p.parent / "tasq.safetensors"
@@ -93,23 +98,22 @@ def test_malformed_artifacts(good, tmp_path, damage, needle):
         m = json.loads(p.read_text())
         m["format_version" if damage == "version" else "bits_k"] = 99
         p.write_text(json.dumps(m))
-    _assert_refused(_args(), p, needle)
+    _assert_refused(args(), p, needle)
 
 
 @pytest.mark.parametrize("extra,needle", [({"kv_lora_rank": 512}, "MLA"),
                                           ({"sliding_window": 4096, "use_sliding_window": True}, "sliding-window")])
-def test_unsupported_models(good, tmp_path, extra, needle):
-    cfg = json.loads((model_dir() / "config.json").read_text())
+def test_unsupported_models(good, args, smollm2_dir, tmp_path, extra, needle):
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
     cfg.update(extra)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    _assert_refused(_args(model_path=str(tmp_path)), good, needle)
+    _assert_refused(args(model_path=str(tmp_path)), good, needle)
 
 
-@pytest.mark.slow
-def test_launch_server_refuses_in_one_line(good, tmp_path):
+def test_launch_server_refuses_in_one_line(good, smollm2_dir, tmp_path):
     bad = _copy(good, tmp_path)
     (bad.parent / "tasq.safetensors").write_bytes(b"x" * 10)
-    p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir()),
+    p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(smollm2_dir),
                         "--tasq-config", str(bad), "--device", "cpu", "--host", "127.0.0.1"],
                        capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert p.returncode == 2
@@ -118,12 +122,11 @@ def test_launch_server_refuses_in_one_line(good, tmp_path):
     assert p.stderr.strip().splitlines()[-1] == lines[0]
 
 
-@pytest.mark.slow
-def test_help_shows_flag_and_engine_refuses(good, tmp_path):
+def test_help_shows_flag_and_engine_refuses(good, smollm2_dir, tmp_path):
     p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
                        text=True, timeout=300, cwd=str(ROOT))
     assert "--tasq-config" in p.stdout and "tasq" in p.stdout
-    spec = {"engine": {"model_path": str(model_dir()), "page_size": 16}, "tasq_config": str(good), "tasks": []}
+    spec = {"engine": {"model_path": str(smollm2_dir), "page_size": 16}, "tasq_config": str(good), "tasks": []}
     rc, out, err = run_worker(spec, tmp_path, "refuse", timeout=300)
     assert rc == 2 and out is None
     assert err.strip().splitlines()[-1].startswith("tasq: --page-size 16"), err[-2000:]

@@ -18,11 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
-from engine_worker import ROOT, model_dir, pick_artifact  # noqa: E402
-
-from sglang_tasq.demo import _free_port, haystack, stop_server, wait_ready  # noqa: E402
+from _support import ROOT
+from sglang_tasq.demo import _free_port, haystack, stop_server, wait_ready
 
 ROWS = 2
 
@@ -41,21 +38,20 @@ def _post(base: str, path: str, body: dict, timeout: float = 600) -> tuple[int, 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    art = pick_artifact(tmp_path_factory.mktemp("art"))[0]
+def server(tmp_path_factory, smollm2_dir, artifact):
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir()), "--tasq-config", str(art),
-           "--device", "cpu", "--disable-cuda-graph", "--mem-fraction-static", "0.05", "--host", "127.0.0.1",
-           "--port", str(port)]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(smollm2_dir),
+           "--tasq-config", str(artifact), "--device", "cpu", "--disable-cuda-graph", "--mem-fraction-static", "0.05",
+           "--host", "127.0.0.1", "--port", str(port)]
     env = dict(os.environ, SGLANG_TASQ_WINDOW_ROWS=str(ROWS))
     env.pop("SGLANG_TASQ_CONFIG", None)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
     try:
         wait_ready(base, proc, timeout=600)
-        yield base, str(model_dir()), proc, log
+        yield base, str(smollm2_dir), proc, log
     finally:
         stop_server(proc)
 

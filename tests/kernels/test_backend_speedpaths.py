@@ -1,7 +1,7 @@
 """CPU fast paths of the TaSQ pool and backend give the reference codec's results: the same
-codes (bitwise), the same decoded keys/values and RoPE (bitwise), attention within fp tolerance."""
-from pathlib import Path
-
+codes (bitwise), the same decoded keys/values and RoPE (bitwise), attention within fp tolerance.
+The SmolLM2-shaped checks run on random codebooks and (``slow``: the ``artifact`` fixture may
+calibrate) on the calibrated artifact's."""
 import pytest
 import torch
 
@@ -11,17 +11,16 @@ from sglang_tasq.config import TaSQConfig
 from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
 
-REAL = Path(__file__).resolve().parents[2] / "artifacts" / "smollm2" / "tasq.json"
+SMOLLM2_CODEBOOKS = ["random", pytest.param("calibrated", marks=pytest.mark.slow)]
 
 
-def _real_or_random():
-    if REAL.is_file():
+@pytest.fixture(params=SMOLLM2_CODEBOOKS)
+def smollm2_codebooks(request):
+    """SmolLM2-shaped codebooks (3 KV heads of 64, K = 1024): random, or the calibrated artifact's."""
+    if request.param == "calibrated":
         from sglang_tasq.artifact import load_artifact
 
-        try:
-            return load_artifact(str(REAL)).codebooks
-        except Exception:  # noqa: BLE001 (fall back to random codebooks)
-            pass
+        return load_artifact(str(request.getfixturevalue("artifact"))).codebooks
     cfg = TaSQConfig(codebook_size_k=1024, codebook_size_v=1024)
     return random_codebooks(num_layers=2, num_kv_heads=3, head_dim=64, config=cfg)
 
@@ -55,8 +54,8 @@ def test_prepared_nearest_gives_reference_codes(T, scale):
     assert torch.equal(got, codec.nearest_codeword(xt, book)) and bool((got == 2).all())
 
 
-def test_prepared_nearest_real_shapes():
-    cb = _real_or_random()
+def test_prepared_nearest_real_shapes(smollm2_codebooks):
+    cb = smollm2_codebooks
     torch.manual_seed(0)
     k, v = torch.randn(700, 3, 64) * 3, torch.randn(700, 3, 64)
     x, _ = codec.key_tailor(k, cb, 0)
@@ -92,8 +91,8 @@ def test_fast_decode_matches_reference(scale):
     assert torch.equal(vd, codec.decode_values(vc[:0], cb, 1))
 
 
-def test_cached_rope_table_matches_apply_rope():
-    cb = _real_or_random()
+def test_cached_rope_table_matches_apply_rope(smollm2_codebooks):
+    cb = smollm2_codebooks
     from _pools import make_backend
 
     be = make_backend(_pool(cb))

@@ -21,7 +21,6 @@ GROUPS = [g for batch in BATCHES for g in batch]
 
 @pytest.fixture(scope="module")
 def sim_results():
-    pytest.importorskip("numba")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-m", "numba_kernels.sim_cases", *batch], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for batch in BATCHES]
@@ -53,7 +52,6 @@ def test_kernels_match_reference_in_simulator(sim_results, group):
 
 def test_wrappers_reject_bad_inputs():
     """The launch wrappers name the bad value before any kernel runs (no GPU, no simulator needed)."""
-    pytest.importorskip("numba")
     import torch
 
     from numba_kernels import ops

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_tasq.artifact import ArtifactError, ModelFingerprint, load_artifact, save_artifact

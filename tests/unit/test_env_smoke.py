@@ -40,9 +40,9 @@ def test_unsupported_model_is_refused_with_a_clear_error():
     assert check_supported({"architectures": ["Qwen3ForCausalLM"]}) == "Qwen3ForCausalLM"
 
 
-def test_default_model_fingerprint():
-    from sglang_tasq.models import fingerprint, load_config, resolve_model
+def test_default_model_fingerprint(smollm2_dir):
+    from sglang_tasq.models import fingerprint, load_config
 
-    fp = fingerprint(load_config(resolve_model("smollm2-135m")))
+    fp = fingerprint(load_config(smollm2_dir))
     assert (fp.num_layers, fp.num_q_heads, fp.num_kv_heads, fp.head_dim) == (30, 9, 3, 64)
     assert fp.rope_theta == 100000.0 and fp.rope_scaling is None

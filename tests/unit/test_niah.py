@@ -1,17 +1,15 @@
-"""RULER NIAH generator: exact template strings, haystacks, scoring, and sizing with SmolLM2."""
+"""RULER NIAH generator: exact template strings, haystacks, scoring, and sizing with SmolLM2's
+tokenizer (the ``smollm2_tokenizer`` fixture: materialized on first use, never skipped)."""
 import re
-from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import niah
 from bench.niah import TASKS, generate_samples, make_sample, string_match_all
 
-SMOL = Path.home() / ".cache" / "sglang-tasq" / "models" / "SmolLM2-135M-Instruct"
-
 
 def test_depths_are_rounded_linspace():
-    np = pytest.importorskip("numpy")
     assert niah.DEPTHS == [int(x) for x in np.round(np.linspace(0, 100, 40))]
 
 
@@ -76,16 +74,9 @@ def test_string_match_all_hand_cases():
         string_match_all(["a"], [])
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not (SMOL / "tokenizer.json").is_file():
-        pytest.skip(f"SmolLM2 checkpoint not materialized at {SMOL}")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(SMOL)
-
-
 @pytest.mark.parametrize("task", sorted(TASKS))
-def test_sizes_fit_target_length(tokenizer, task):
+def test_sizes_fit_target_length(smollm2_tokenizer, task):
+    tokenizer = smollm2_tokenizer
     fmt = niah.chat_formatter(tokenizer)
     samples = generate_samples(task, tokenizer, 1024, 2, formatter=fmt)
     for s in samples:
@@ -97,7 +88,7 @@ def test_sizes_fit_target_length(tokenizer, task):
         assert s["prompt"].endswith("<|im_start|>assistant\n" + s["answer_prefix"].lstrip())
 
 
-def test_sizes_fit_4k_plain(tokenizer):
-    (s,) = generate_samples("niah_single_2", tokenizer, 4096, 1)
+def test_sizes_fit_4k_plain(smollm2_tokenizer):
+    (s,) = generate_samples("niah_single_2", smollm2_tokenizer, 4096, 1)
     assert s["prompt"] == s["input"] + s["answer_prefix"]
     assert 0.95 * (4096 - 128) <= s["length"] <= 4096 - 128

@@ -1,0 +1,222 @@
+"""Numba CPU decode attention (numba_kernels.cpu: DecodeTables, DecodePlan, split-K
+decode_attention with exact window entries) against the plain-torch reference codec, on ragged
+batches, radix-shared prefixes, stale and absent window entries."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from numba_kernels import cpu
+from sglang_tasq import codec, packing
+from sglang_tasq.config import TaSQConfig
+from sglang_tasq.rope import cos_sin
+from sglang_tasq.testing import random_codebooks
+from sglang_tasq.windows import in_window
+
+
+
+def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
+    """Random packed pool rows for requests of the given lengths, their slots, and an exact store.
+
+    Request 1 starts on request 0's first 3 slots (a radix-shared prefix: its codes and entries
+    are the slots'). With windows, ``win = (entry_of [rows], win_k, win_v [E + 1, H, d] bf16)``:
+    a slot holds an entry where some request holding it has the position inside its window or
+    up to 2 positions before it (stale entries: read from codes), except every 7th such slot
+    (absent: codes even inside the window) and the slots of every third request (none at all)."""
+    cb = random_codebooks(1, H, d, cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
+    rows = total + 7
+    slots = torch.randperm(rows - 1, generator=gen)[:total] + 1  # slot 0 unused, scattered slots
+    starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
+    if len(seq_lens) > 1 and min(seq_lens[:2]) >= 3:
+        slots[starts[1]:starts[1] + 3] = slots[:3]
+    k_pre = torch.randn(total, H, d, generator=gen)
+    v = torch.randn(total, H, d, generator=gen)
+    x, scale = codec.key_tailor(k_pre, cb, 0)
+    kc = codec.nearest_codeword(x, cb.tailored_k_codebook(0))
+    vc = codec.encode_values(v, cb, 0)
+    Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
+    kb = packing.packed_row_bytes(H * Gk, cfg.code_bits_k)
+    krow = packing.pack_codes(kc.reshape(total, -1), cfg.code_bits_k)
+    if scale is not None:
+        krow = torch.cat([krow, scale.reshape(total, -1).contiguous().view(torch.uint8)], 1)
+    k_rows = torch.zeros(rows, krow.shape[1], dtype=torch.uint8)
+    v_rows = torch.zeros(rows, packing.packed_row_bytes(H * Gv, cfg.code_bits_v), dtype=torch.uint8)
+    k_rows[slots] = krow  # a shared slot holds the codes of its last writer
+    v_rows[slots] = packing.pack_codes(vc.reshape(total, -1), cfg.code_bits_v)
+    B = len(seq_lens)
+    win = None
+    if windows:
+        sink, recent = cfg.sink_window, cfg.recent_window
+        keep = []
+        for b, S in enumerate(seq_lens):
+            if b % 3 == 2:
+                continue
+            for p in range(S):
+                s = int(slots[starts[b] + p])
+                if (p < sink or (recent and p >= S - recent - 2)) and s % 7 and s not in keep:
+                    keep.append(s)
+        E = len(keep) + 3  # spare entries: the store is not full
+        entry_of = torch.zeros(rows, dtype=torch.int64)
+        entry_of[torch.tensor(keep, dtype=torch.int64)] = torch.randperm(E, generator=gen)[:len(keep)] + 1
+        wk = torch.randn(E + 1, H, d, generator=gen).to(torch.bfloat16)
+        wv = torch.randn(E + 1, H, d, generator=gen).to(torch.bfloat16)
+        win = (entry_of, wk, wv)
+    q = torch.randn(B, Hq, d, generator=gen)
+    return cb, kb, k_rows, v_rows, slots, q, win
+
+
+def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale):
+    """Plain-torch codec per request; position t of a request of length S reads its slot's
+    entry iff t < sink or t >= S - recent and the slot holds one."""
+    Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
+    outs, beg = [], 0
+    for b, S in enumerate(seq_lens):
+        sl = slots[beg:beg + S]
+        beg += S
+        if S == 0:
+            outs.append(torch.zeros(q.shape[1], d))
+            continue
+        kr = k_rows[sl]
+        kc = packing.unpack_codes(kr[:, :kb].contiguous(), H * Gk, cfg.code_bits_k).view(S, H, Gk)
+        scale = None
+        if cfg.scale != "none":
+            scale = torch.empty(S, kr.shape[1] - kb, dtype=torch.uint8).copy_(kr[:, kb:]).view(torch.float16)
+            scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
+        vc = packing.unpack_codes(v_rows[sl], H * Gv, cfg.code_bits_v).view(S, H, Gv)
+        pos = torch.arange(S)
+        kw = vw = mask = None
+        if win is not None:
+            entry_of, wk, wv = win
+            ent = entry_of[sl]
+            mask = in_window(pos, S, cfg.sink_window, cfg.recent_window) & (ent > 0)
+            kw, vw = wk[ent], wv[ent]
+        o = codec.attention_over_codes(q[b:b + 1], torch.tensor([S - 1]), kc, scale, vc, pos, cb, 0, sm_scale,
+                                       k_full=kw, v_full=vw, full_mask=mask)
+        outs.append(o[0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("split_tokens", [None, 1, 3, 7, 40])  # None: cpu.SPLIT_TOKENS
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
+    ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40]),
+    ("per_head", None, 2, 2, 8, [3, 64]),
+    ("none", (4, 8), 1, 4, 32, [70, 2, 33]),
+    ("shared", (4, 8), 1, 3, 16, [300]),  # one request: split-K is what fills the threads
+    ("per_head", (0, 5), 2, 4, 16, [20, 9, 12]),  # recent only
+    ("shared", (3, 0), 2, 4, 16, [20, 2, 7]),  # sink only
+])
+def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, split_tokens):
+    """Split-K (splits past a short request's end are empty) merges to the unsplit answer;
+    window tokens come from their slots' entries, everything else (stale or absent entries
+    included) from codes."""
+    sink, recent = windows or (0, 0)
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
+                     sink_window=sink, recent_window=recent)
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 11, windows is not None)
+    sm_scale = d ** -0.5
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale)
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
+    entry_of, wk, wv = win if win is not None else (None, None, None)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
+                               sm_scale, entry_of, wk, wv, split_tokens=split_tokens)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    if win is not None and split_tokens is None:
+        # the windows matter: codes alone give another answer, and so do [E + 1, 1, H, d] views
+        # of the same entries (the pool's layout) give the same one
+        alone = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, None, H, d, sm_scale)
+        assert float((alone - ref).abs().max()) > 1e-3
+        got4 = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
+                                    sm_scale, entry_of, wk.unsqueeze(1), wv.unsqueeze(1))
+        assert torch.equal(got4, got)
+
+
+def test_decode_tables_share_the_encoder_arrays_and_fall_back_on_zero_weights():
+    """The tables are views of the encoder's codeword rows (one copy of each codebook); a zero
+    weight (never from calibration) takes the raw key codebook, and both decode alike."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=4, recent_window=8)
+    seq_lens = [50, 7]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 2, 4, 16, seq_lens, 3, True)
+    enc = cpu.PoolEncoder(cb)
+    tab = cpu.DecodeTables(cb, 0, enc.prepared(0))
+    assert np.shares_memory(tab.kcb, enc.prepared(0)[0][2]) and np.shares_memory(tab.vcb, enc.prepared(0)[1][2])
+    cos, sin = cos_sin(torch.arange(60), cb.inv_freq, cb.attention_scaling)
+    entry_of, wk, wv = win
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, tab, cfg, kb, cos, sin, 0.25, entry_of, wk, wv)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    cb.k_weight[0, 1, 3] = 0.0
+    raw = cpu.DecodeTables(cb, 0)
+    assert np.all(raw.kw == 1) and np.array_equal(raw.kcb, cb.k_codebook[0].numpy())
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
+    got = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, raw, cfg, kb, cos, sin, 0.25, entry_of, wk, wv)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_plan_reads_entries_through_a_view():
+    """A plan is built once per forward, before the step's window entries are assigned: it
+    reads ``entry_of`` (and the entries) through views, so later assignments are seen; a
+    non-int64 or non-contiguous ``entry_of`` is refused."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=2, recent_window=4)
+    seq_lens = [30, 9]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 2, 4, 16, seq_lens, 8, True)
+    entry_of, wk, wv = win
+    cos, sin = cos_sin(torch.arange(40), cb.inv_freq, cb.attention_scaling)
+    tab = cpu.DecodeTables(cb, 0)
+    live = torch.zeros_like(entry_of)
+    wk4, wv4 = torch.zeros_like(wk).unsqueeze(1), torch.zeros_like(wv).unsqueeze(1)
+    plan = cpu.DecodePlan(torch.tensor([0] + seq_lens).cumsum(0), slots, cfg, kb, 4, 2, 16, cos, sin, live)
+    none = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4)
+    torch.testing.assert_close(none, _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, None, 2, 16, 0.25),
+                               rtol=2e-5, atol=2e-5)
+    live.copy_(entry_of)
+    wk4.copy_(wk.unsqueeze(1))
+    wv4.copy_(wv.unsqueeze(1))
+    got = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4)
+    torch.testing.assert_close(got, _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25),
+                               rtol=2e-5, atol=2e-5)
+    from numba_kernels.fastpath import u16_view
+
+    assert torch.equal(plan(q, k_rows.numpy(), v_rows.numpy(), tab, 0.25, u16_view(wk4), u16_view(wv4)), got)
+    for bad in (entry_of.to(torch.int32), torch.stack([entry_of, entry_of], 1)[:, 0]):
+        with pytest.raises(TypeError, match="entry_of"):
+            cpu.DecodePlan(torch.tensor([0] + seq_lens).cumsum(0), slots, cfg, kb, 4, 2, 16, cos, sin, bad)
+    with pytest.raises(TypeError, match="bfloat16"):
+        plan(q, k_rows, v_rows, tab, 0.25, wk4.float(), wv4.float())
+
+
+def test_decode_attention_is_batch_invariant():
+    """A request's output is bit-identical alone and inside batches of other lengths (split-K
+    ranges are fixed positions, not chosen from the batch)."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=4, recent_window=8)
+    seq_lens = [700, 90, 1, 300]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 3, 9, 16, seq_lens, 5, True)
+    entry_of, wk, wv = win
+    cos, sin = cos_sin(torch.arange(800), cb.inv_freq, cb.attention_scaling)
+    tab = cpu.DecodeTables(cb, 0)
+    starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
+
+    def run(sel):
+        lens = [seq_lens[i] for i in sel]
+        idx = torch.cat([slots[starts[i]:starts[i + 1]] for i in sel])
+        return cpu.decode_attention(q[sel], k_rows, v_rows, torch.tensor([0] + lens).cumsum(0), idx, tab, cfg, kb,
+                                    cos, sin, 0.25, entry_of, wk, wv, split_tokens=128)
+
+    full = run([0, 1, 2, 3])
+    for i in range(4):
+        assert torch.equal(run([i])[0], full[i])
+    assert torch.equal(run([3, 0])[1], full[0])
+
+
+def test_decode_attention_refuses_dense_weighting():
+    cb = random_codebooks(1, 2, 16, TaSQConfig(codebook_size_k=64, codebook_size_v=64))
+    cb = dataclasses.replace(cb, k_unmix=torch.eye(16).expand(1, 2, 16, 16))
+    with pytest.raises(NotImplementedError, match="dense"):
+        cpu.DecodeTables(cb, 0)

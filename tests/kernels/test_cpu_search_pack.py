@@ -1,0 +1,96 @@
+"""Numba CPU kernels of the encode side (numba_kernels.cpu: nearest codeword, bit packing, the
+decode kernel's run-of-codes unpack) against the plain-torch reference codec, on awkward shapes."""
+import numpy as np
+import pytest
+import torch
+
+from numba_kernels import cpu
+from sglang_tasq import codec, packing
+
+
+def _distances(x, codebook):
+    """[T, H, G, K] squared distances, float64."""
+    return ((x.double().unsqueeze(3) - codebook.double().unsqueeze(0)) ** 2).sum(-1)
+
+
+# (1, .., 8): one-token path; (5, .., 8): 4-token block + tail; >= 64 with g == 8: the lane
+# kernel (odd K, T not a multiple of its 64-token block); the rest: the generic kernels
+@pytest.mark.parametrize("T,H,G,K,g", [(1, 1, 1, 2, 2), (1, 3, 8, 1024, 8), (5, 2, 2, 100, 8), (37, 3, 5, 33, 4),
+                                       (200, 3, 8, 1024, 8), (130, 2, 3, 257, 8), (64, 1, 1, 1, 8),
+                                       (90, 2, 3, 64, 4), (17, 2, 3, 256, 16)])
+def test_nearest_matches_reference(T, H, G, K, g):
+    gen = torch.Generator().manual_seed(T + K)
+    cb = torch.randn(H, G, K, g, generator=gen)
+    x = torch.randn(T, H, G, g, generator=gen) * 1.3
+    ref = codec.nearest_codeword(x, cb)
+    got = cpu.nearest(x, cpu.prepare(cb))
+    assert got.dtype == torch.int64 and got.shape == ref.shape
+    same = (got == ref).float().mean().item()
+    assert same >= 0.999
+    # wherever the index differs it is a float32 near-tie: the distances agree to rounding
+    dist = _distances(x, cb)
+    d_got = torch.gather(dist, 3, got.unsqueeze(-1))
+    d_min = dist.min(-1, keepdim=True).values
+    assert float((d_got - d_min).max()) <= 1e-5 * float(d_min.abs().max() + 1)
+
+
+@pytest.mark.parametrize("T,g,dup", [(4, 4, (2, 5)), (70, 8, (2, 5)), (70, 8, (6, 7)), (70, 8, (0, 8)), (1, 8, (6, 7))])
+def test_nearest_first_index_on_exact_ties(T, g, dup):
+    """Duplicated codewords: the first one wins, as in torch.argmin (also when the two sit in
+    one codeword pair of the lane kernel, and when the duplicate is the odd last one)."""
+    cb = torch.randn(2, 3, max(8, dup[1] + 1), g)  # K = 9: the duplicate is the odd last codeword
+    cb[:, :, dup[1]] = cb[:, :, dup[0]]
+    x = cb[:, :, dup[0]].unsqueeze(0).repeat(T, 1, 1, 1) + 1e-3
+    assert (cpu.nearest(x, cpu.prepare(cb)) == dup[0]).all()
+
+
+def test_nearest_nonfinite_input_and_empty():
+    cb = torch.randn(2, 3, 8, 4)
+    x = cb[:, :, 2].unsqueeze(0).repeat(4, 1, 1, 1) + 1e-3
+    x[1, 0, 0, 0] = float("nan")
+    x[2, 1, 2, 3] = float("inf")
+    assert torch.equal(cpu.nearest(x, cpu.prepare(cb)), codec.nearest_codeword(x, cb))
+    assert cpu.nearest(torch.zeros(0, 2, 3, 4), cpu.prepare(cb)).shape == (0, 2, 3)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 6, 7, 8, 10, 12, 16, 17, 24])
+@pytest.mark.parametrize("n", [1, 5, 72])
+def test_pack_unpack_bit_exact(bits, n):
+    gen = torch.Generator().manual_seed(bits * 100 + n)
+    codes = torch.randint(0, 1 << bits, (19, n), generator=gen)
+    codes[0] = (1 << bits) - 1  # the largest code everywhere
+    codes[1] = 0
+    ref = packing.pack_codes(codes, bits)
+    got = cpu.pack(codes, bits)
+    assert torch.equal(got, ref)
+    assert torch.equal(cpu.unpack(got, n, bits), packing.unpack_codes(ref, n, bits))
+    assert torch.equal(cpu.unpack(got, n, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 5, 7, 10, 13, 16, 17])
+def test_codes_of_reads_any_run_of_codes(bits):
+    """The decode kernel's one-pass unpack of codes first..first+n-1 (a head's codes) equals
+    the reference unpack for every start and length, on rows of exactly the packed size."""
+    from numba import njit
+
+    @njit
+    def run(buf, first, n, bits, out):
+        for slot in range(buf.shape[0]):
+            cpu._codes_of(buf, slot, first, n, bits, out[slot])
+
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (4, 11), generator=gen)
+    codes[0] = (1 << bits) - 1
+    packed = packing.pack_codes(codes, bits).numpy()
+    for first in range(11):
+        for n in range(1, 12 - first):
+            out = np.zeros((4, 12), np.int64)
+            run(packed, first, n, bits, out)
+            assert (out[:, :n] == codes[:, first:first + n].numpy()).all(), (first, n)
+
+
+def test_pack_refuses_out_of_range_and_bad_rows():
+    with pytest.raises(ValueError, match="out of range"):
+        cpu.pack(torch.tensor([[4]]), 2)
+    with pytest.raises(ValueError, match="bytes"):
+        cpu.unpack(torch.zeros(2, 3, dtype=torch.uint8), 3, 10)

@@ -16,7 +16,6 @@ pytest, use the ``smollm2_dir`` and ``artifact`` fixtures of ``tests/conftest.py
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ if str(TESTS) not in sys.path:  # run as a script (sys.path[0] is tests/integrat
     sys.path.insert(0, str(TESTS))
 
 from _support import ROOT, pick_artifact  # noqa: E402,F401  (pick_artifact: re-exported)
+from sglang_tasq.options import child_env, clear_config_path, export_config_path  # noqa: E402
 
 WORKER = ROOT / "tests" / "integration" / "engine_worker.py"
 
@@ -34,9 +34,7 @@ def run_worker(spec: dict, tmp_dir: Path, name: str, timeout: int = 900, env: di
     """-> (returncode, parsed JSON or None, stderr)."""
     path = tmp_dir / f"{name}.json"
     path.write_text(json.dumps(spec))
-    e = dict(os.environ)
-    e.pop("SGLANG_TASQ_CONFIG", None)
-    e.update(env or {})
+    e = child_env(drop=("SGLANG_TASQ_CONFIG",), **(env or {}))
     p = subprocess.run([sys.executable, str(WORKER), str(path)], capture_output=True, text=True,
                        timeout=timeout, env=e, cwd=str(ROOT))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -122,9 +120,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
     if spec.get("tasq_config"):
-        os.environ["SGLANG_TASQ_CONFIG"] = str(spec["tasq_config"])
+        export_config_path(spec["tasq_config"])
     else:
-        os.environ.pop("SGLANG_TASQ_CONFIG", None)
+        clear_config_path()
     import sglang
     from sglang_tasq.srt.launch import TaSQLaunchError, refuse
 

@@ -11,7 +11,6 @@ module.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.error
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from _support import ROOT
+from sglang_tasq.options import child_env
 from sglang_tasq.demo import _free_port, stop_server, wait_ready
 from sglang_tasq.srt.plugin import EMPTY_PROMPT_MESSAGE
 
@@ -64,7 +64,7 @@ def server(tmp_path_factory, smollm2_dir):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(smollm2_dir), "--device", "cpu",
            "--disable-cuda-graph", "--attention-backend", "torch_native", "--mem-fraction-static", "0.05",
            "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env = child_env()
     env.pop("SGLANG_TASQ_CONFIG", None)  # bf16: the guard must not depend on TaSQ being active
     env.pop("SGLANG_PLUGINS", None)  # a whitelist could leave the plugin out
     with open(log, "wb") as fh:

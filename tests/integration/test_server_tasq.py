@@ -9,7 +9,6 @@ The concurrency check uses prompts that share only the chat template: see the co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.error
@@ -19,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from _support import ROOT
+from sglang_tasq.options import child_env
 from sglang_tasq.demo import _free_port, haystack, stop_server, wait_ready
 
 ROWS = 2
@@ -45,7 +45,7 @@ def server(tmp_path_factory, smollm2_dir, artifact):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(smollm2_dir),
            "--tasq-config", str(artifact), "--device", "cpu", "--disable-cuda-graph", "--mem-fraction-static", "0.05",
            "--host", "127.0.0.1", "--port", str(port)]
-    env = dict(os.environ, SGLANG_TASQ_WINDOW_ROWS=str(ROWS))
+    env = child_env(SGLANG_TASQ_WINDOW_ROWS=str(ROWS))
     env.pop("SGLANG_TASQ_CONFIG", None)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)

@@ -8,19 +8,20 @@ spills and shared memory when a ptxas binary is around. Needs NVVM, not a GPU: n
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from sglang_tasq.options import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ptx_rows():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = child_env(drop=("NUMBA_ENABLE_CUDASIM",))
     env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, "-m", "numba_kernels.ptx_report"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)

@@ -7,12 +7,13 @@ numba_kernels.sim_cases GROUP``), two at a time. Each child prints one JSON line
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sglang_tasq.options import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCHES = (("encode", "rope", "extend"), ("decode",))
@@ -21,7 +22,7 @@ GROUPS = [g for batch in BATCHES for g in batch]
 
 @pytest.fixture(scope="module")
 def sim_results():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    env = child_env(NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-m", "numba_kernels.sim_cases", *batch], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for batch in BATCHES]
     results, errors = {}, []

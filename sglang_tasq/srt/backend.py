@@ -173,7 +173,7 @@ class TaSQAttnBackend(AttentionBackend):
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
         k_ex[P:] = chunk[0].float()
         v_ex[P:] = chunk[1].float()
-        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, sink, recent, layer.scaling)
+        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
 
     def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
         """Decode over the pool with the Numba kernel (``numba_kernels.cpu.DecodePlan``, built
@@ -227,34 +227,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     return out.squeeze(0).transpose(0, 1)
 
 
-def _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, sink: int, recent: int, sm_scale: float,
-                        block: int = 256) -> torch.Tensor:
-    """fp32 attention of q [Tq, Hq, d] (the last Tq of S positions) over S keys by the window rule
-    of :mod:`sglang_tasq.windows`: query i reads key j (causal, j <= i) from (k_ex, v_ex) iff
-    j < sink or j >= i + 1 - recent, from (k_dec, v_dec) otherwise (k, v [S, H, d], post-RoPE
-    keys; GQA). One SDPA call per block of queries [a, b); its keys split by position into the
-    sink (exact for every query of the block), the span [sink, lo) that every query of the block
-    reads from codes (lo = the first query's window start), and the band [lo, b) where queries
-    differ, given twice (exact and decoded, each masked to where it is read). So a block reads
-    ~S + block + recent keys instead of 2 S, and nothing past its last query."""
+def _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex, causal, sm_scale: float, block: int = 256) -> torch.Tensor:
+    """fp32 attention of q [Tq, Hq, d] (the last Tq of S positions) over S keys where query i
+    reads key j from (k_ex, v_ex) when ``ex[i, j]`` and from (k_dec, v_dec) otherwise, among the
+    keys ``causal[i, j]`` allows (k, v [S, H, d], post-RoPE keys; GQA). One SDPA call per block of
+    queries over the exact and the decoded keys side by side, each masked to where it is read,
+    and only up to the block's last causal key (memory and work ~ block x S)."""
     Tq, Hq, d = q.shape
     S, H = k_ex.shape[0], k_ex.shape[1]
     P = S - Tq
-    dev = q.device
-    out = torch.empty(Tq, Hq, v_ex.shape[2], dtype=torch.float32, device=dev)
+    out = torch.empty(Tq, Hq, v_ex.shape[2], dtype=torch.float32, device=q.device)
     for a in range(0, Tq, block):
         b = min(Tq, a + block)
         hi = P + b  # keys past the block's last query are masked for all of its queries
-        lo = min(max(sink, P + a + 1 - recent), hi)  # [lo, hi): the band where queries differ
-        s0 = min(sink, lo)
-        q_pos = torch.arange(P + a, P + b, device=dev)
-        head = torch.arange(lo, device=dev)  # sink exact + codes span: one source per position
-        band = torch.arange(lo, hi, device=dev)
-        e = windows.query_window(q_pos, band, sink, recent)
-        c = band[None, :] <= q_pos[:, None]
-        keys = torch.cat([k_ex[:s0], k_dec[s0:lo], k_ex[lo:hi], k_dec[lo:hi]]).float().transpose(0, 1).unsqueeze(0)
-        vals = torch.cat([v_ex[:s0], v_dec[s0:lo], v_ex[lo:hi], v_dec[lo:hi]]).float().transpose(0, 1).unsqueeze(0)
-        mask = torch.cat([head[None, :] <= q_pos[:, None], e & c, ~e & c], dim=1)
+        e, c = ex[a:b, :hi], causal[a:b, :hi]
+        keys = torch.cat([k_ex[:hi], k_dec[:hi]]).float().transpose(0, 1).unsqueeze(0)
+        vals = torch.cat([v_ex[:hi], v_dec[:hi]]).float().transpose(0, 1).unsqueeze(0)
+        mask = torch.cat([e & c, ~e & c], dim=1)
         o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask,
                                            scale=sm_scale, enable_gqa=Hq != H)
         out[a:b] = o.squeeze(0).transpose(0, 1)

@@ -224,7 +224,7 @@ class TaSQCudaAdapter:
         k_ex[P:] = k_chunk.float()
         v_ex = v_ex.clone() if v_ex is v_dec else v_ex
         v_ex[P:] = v_chunk.float()
-        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, sink, recent, layer.scaling)
+        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
 
     def _prefix_exact(self, lid: int, slots: torch.Tensor):
         """Exact pre-RoPE k, v [P, H, d] f32 of prefix slots that all lie in every query's window

@@ -32,7 +32,7 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
 from . import methods as M  # noqa: E402
-from . import niah, perplexity, positions, rate_sweep, report, ruler  # noqa: E402
+from . import niah, perplexity, positions, rate_sweep, report, ruler, ruler_server  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 BENCHES = ("perplexity", "ruler", "positions", "rate_sweep")
@@ -54,7 +54,7 @@ class QualityConfig:
     niah_samples: int = 2
     niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
-    niah_view: str = "decode"  # "decode": prompt attends through the windows too; "serving": exact prefill
+    niah_view: str = "decode"  # "decode": HF model under the window rule; "server": real SGLang servers
     niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
     pos_len: int = 8192
     pos_windows: int = 2
@@ -75,12 +75,16 @@ class QualityConfig:
             raise ValueError(f"benches {sorted(bad)}: allowed {BENCHES}")
         if self.niah_view not in ruler.VIEWS:
             raise ValueError(f"niah_view {self.niah_view!r}: allowed {ruler.VIEWS}")
+        if self.niah_view == "server" and "ruler" in self.benches:
+            ruler_server.check_servable(ruler.niah_names(self.methods, self.niah_methods))
         if self.preset not in ("default", "fast"):
             raise ValueError(f"preset {self.preset!r}: allowed 'default', 'fast'")
 
     def name(self) -> str:
         d = dataclasses.asdict(self)
         d.pop("artifacts"), d.pop("artifact_root")  # where artifacts live does not change results
+        if self.niah_view == "server":  # the servers' settings (absent otherwise: earlier names stay valid)
+            d["niah_server"] = ruler_server.SERVER_KEY
         h = hashlib.sha1(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:8]
         tag = "quick" if self.quick else "full"
         return f"{self.model}_{tag}_{self.preset}_{h}"
@@ -150,6 +154,11 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
               f"held-out wiki tokens and {cfg.ood_windows} x {cfg.ppl_len} held-out stdlib code; NIAH: "
               f"{cfg.niah_samples} sample(s) per task and length, {cfg.niah_view} view. Artifacts: preset '{cfg.preset}'. "
               f"Hardware: {env['cpu']}, {env['threads']} threads, torch {env['torch']}.")
+    if cfg.niah_view == "server" and "ruler" in cfg.benches:
+        header += ("\n\nNIAH server view: real SGLang servers (CPU, radix cache on, chunked prefill "
+                   f"{ruler_server.CHUNK}, {ruler_server.CONCURRENCY} requests in flight), each sample sent twice (cold, "
+                   "then warm from the radix cache). TaSQ is served with its artifact's windows only: the 'none' "
+                   "setting cannot be served and is not measured.")
     plain_ruler = {m: {s: {k: {kk: vv for kk, vv in r.items() if kk != "preds"} for k, r in by_l.items()}
                        for s, by_l in by_s.items()} for m, by_s in nia.items()}
     metrics = {"config": dataclasses.asdict(cfg), "env": env, "summary": rows, "targets": tg, "perplexity": ppl,
@@ -202,8 +211,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-tasks", help="comma list of tasks (default all 8)")
     ap.add_argument("--niah-methods", help="comma list; empty string = all methods")
     ap.add_argument("--niah-view", choices=ruler.VIEWS,
-                    help="decode (default): the prompt is read through the windows too, as the TaSQ server does; "
-                         "serving: exact prefill (the server before its per-query window rule)")
+                    help="decode (default): the HF model under the server's window rule; server: real SGLang servers "
+                         "(chunked prefill, radix cache on, each sample twice; bf16 and plain tasq only)")
     ap.add_argument("--pos-windows", type=int)
     ap.add_argument("--pos-len", type=int, help="tokens per error-by-position window (default 8192)")
     ap.add_argument("--pos-methods", help="comma list for the error-by-position bench; empty string = all methods")
@@ -230,7 +239,10 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
             raise SystemExit(f"--artifact {item!r}: expected NAME=DIR")
         arts.append(tuple(item.split("=", 1)))
     kw["artifacts"] = tuple(arts)
-    return QualityConfig(**kw), Path(a.results)
+    try:
+        return QualityConfig(**kw), Path(a.results)
+    except ValueError as e:
+        raise SystemExit(f"python -m bench.quality: {e}") from None
 
 
 def main(argv=None) -> int:

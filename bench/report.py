@@ -10,6 +10,9 @@ from pathlib import Path
 from .methods import ABLATION_METHODS
 
 SETTINGS = ("none", "64+256")
+# summary-row field -> item field, for NIAH measured through a server (bench.ruler_server)
+SERVER_ROW_FIELDS = (("niah_view", "view"), ("niah_served_windows", "windows"), ("niah_warm", "avg_warm"),
+                     ("niah_warm_equal", "warm_equal_all"), ("niah_agree_decode", "agree_decode_all"))
 
 
 def write_json(path: Path, obj) -> None:
@@ -41,6 +44,8 @@ def summary_rows(methods, bits: dict, ppl: dict, niah: dict) -> list:
                          "ppl_wiki": w.get("ppl"), "ppl_ood": o.get("ppl"), "logit_nmse": w.get("logit_nmse"),
                          "attn_kl": w.get("attn_kl"), "token_kl": w.get("token_kl"),
                          "top1_agree": w.get("top1_agree"), "niah": {k: v["avg"] for k, v in n.items()}})
+            if any(v.get("view") == "server" for v in n.values()):  # NIAH through a real server: both passes
+                rows[-1].update({f: {k: v.get(key) for k, v in n.items()} for f, key in SERVER_ROW_FIELDS})
     return rows
 
 
@@ -102,7 +107,9 @@ def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> s
     verdict = {True: "met", False: "not met", None: "not measured"}
     lines += ["", "## Targets", ""] + [f"- {t['target']}: **{verdict[t['met']]}**"
                                        + (f" ({t['value']})" if t["value"] else "") for t in tgts]
-    if ruler:
+    if any(r.get("view") == "server" for m in ruler.values() for s in m.values() for r in s.values()):
+        lines += server_table(ruler)
+    elif ruler:
         tasks = sorted({t for m in ruler.values() for s in m.values() for r in s.values() for t in r["tasks"]})
         lines += ["", "## NIAH by task (string_match_all, 0-100)", "",
                   "| method | windows | length | " + " | ".join(t.replace("niah_", "") for t in tasks) + " |",
@@ -118,6 +125,35 @@ def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> s
         lines += [f"| {r['method']} | {r['windows']} | {r['g']} | {r['K']} | {_f(r['bits_k'])} | {_f(r['bits_v'])} | "
                   f"{_f(r['ppl'])} | {_f(r['logit_nmse'], '{:.4f}')} |" for r in sweep]
     return "\n".join(lines) + "\n"
+
+
+def _count(r: dict, key: str) -> str:
+    n = r.get(f"{key}_count")
+    return "-" if n is None else f"{n}/{r['n_preds']}"
+
+
+def server_table(ruler: dict) -> list:
+    """Markdown lines: NIAH through the server, per task, cold and warm passes, each (method,
+    served windows, length) once, with warm == cold and agreement with the decode view."""
+    tasks = sorted({t for m in ruler.values() for s in m.values() for r in s.values() for t in r["tasks"]})
+    lines = ["", "## NIAH through the server (string_match_all, 0-100)", "",
+             "Cold: first pass; warm: every sample again, prompts in the radix cache (cached prompt tokens / "
+             "prompt tokens in brackets). warm = cold: identical answers; = decode: the server's cold answer agrees "
+             "with the decode view's (same text, or the decode view's early stop is a prefix of it).", "",
+             "| method | windows | length | pass | " + " | ".join(t.replace("niah_", "") for t in tasks)
+             + " | avg | warm = cold | = decode |", "|" + "---|" * (7 + len(tasks))]
+    for m, by_s in ruler.items():
+        for s, by_l in by_s.items():
+            for length, r in by_l.items():
+                if r.get("windows", s) != s:  # bf16 fills both settings: show the one it has
+                    continue
+                c = r.get("cached_tokens") or {}
+                for p, key, avg in (("cold", "tasks", "avg"), ("warm", "tasks_warm", "avg_warm")):
+                    hit = "" if c.get(p) is None else f" ({c[p] / max(1, c['prompt']):.2f})"
+                    cells = " | ".join(_f(r[key].get(t), "{:.0f}") for t in tasks)
+                    tail = f"{_count(r, 'warm_equal')} | {_count(r, 'agree_decode')}" if p == "cold" else " | "
+                    lines.append(f"| {m} | {s} | {length} | {p}{hit} | {cells} | {_f(r[avg], '{:.1f}')} | {tail} |")
+    return lines
 
 
 def plots(out: Path, ppl: dict, ruler: dict, positions: dict, sweep: list, bf16_ppl=None, calib_len: int = 2048) -> list:

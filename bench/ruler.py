@@ -7,11 +7,16 @@ every generated token attends as a serving engine's decode step would (sink + re
 windows exact, the rest from codes). It stops at an end-of-sequence token, or as soon as
 every gold string already appears in the output: ``string_match_all`` only tests presence,
 so later tokens could not change the score (this only saves time).
+
+Views of the suite (``QualityConfig.niah_view``): "decode" (this module, the HF model under the
+server's window rule) and "server" (:mod:`bench.ruler_server`: the same samples sent to real
+SGLang servers, chunked prefill and radix cache on, each sample twice).
 """
 from __future__ import annotations
 
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -19,7 +24,18 @@ from . import niah
 from .attention_error import Probe, ProbeCache, active
 
 
-VIEWS = ("decode", "serving")
+VIEWS = ("decode", "server")  # the suite's NIAH views
+GREEDY_VIEWS = ("decode", "serving")  # what greedy() emulates on the HF model
+
+
+def niah_names(methods, niah_methods) -> list:
+    """The methods the NIAH bench runs: ``methods`` that ``niah_methods`` names (empty: all)."""
+    return [m for m in methods if m in niah_methods] if niah_methods else list(methods)
+
+
+def token_cap(sample: dict, cap) -> int:
+    """Generated-token limit of one sample: its own (RULER's 128), at most ``cap`` when set."""
+    return min(sample["max_new_tokens"], cap or sample["max_new_tokens"])
 
 
 @lru_cache(maxsize=64)
@@ -45,11 +61,12 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
 
     view "decode": prompt tokens attend through the windows too (the rule of
     ``sglang_tasq.windows``, which the TaSQ server applies to every query since the window
-    change: this view is what the server serves); "serving": the prompt attends exactly, as the
-    server's one-chunk prefill did before that change, and every generated token reads the
-    prompt from codes outside the windows (kept to compare with earlier runs)."""
-    if view not in VIEWS:
-        raise ValueError(f"view {view!r}: allowed {VIEWS}")
+    change); "serving": the prompt attends exactly, as the server's one-chunk prefill did before
+    that change, and every generated token reads the prompt from codes outside the windows (an
+    HF-level reference only: the suite no longer offers it, its "server" view measures the real
+    server instead)."""
+    if view not in GREEDY_VIEWS:
+        raise ValueError(f"view {view!r}: allowed {GREEDY_VIEWS}")
     ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
     eos, out = _eos_ids(model, tok), []
     cache = ProbeCache(method)
@@ -79,9 +96,8 @@ def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, ta
     t0, scores, preds = time.time(), {}, []
     for task in tasks:
         samples = _samples(tok, task, length, n)
-        outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"],
-                       min(s["max_new_tokens"], max_new or s["max_new_tokens"]), view)
-                for s in samples]
+        outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"], token_cap(s, max_new),
+                       view) for s in samples]
         scores[task] = niah.string_match_all(outs, [s["outputs"] for s in samples])
         preds += [{"task": task, "index": s["index"], "length": s["length"], "gold": s["outputs"], "pred": o}
                   for s, o in zip(samples, outs)]
@@ -89,23 +105,33 @@ def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, ta
             "length": length, "view": view, "preds": preds, "seconds": round(time.time() - t0, 1)}
 
 
+def item_path(run_dir, name: str, key: str, length) -> Path:
+    """Where the decode view keeps one (method, window setting, length) result."""
+    return run_dir / "items" / "ruler" / f"{name}__{key}__{length}.json"
+
+
 def run(ctx, settings=("none", "64+256")) -> dict:
-    """Every (length, method, setting) not yet done -> item JSON. {method: {setting: {length: result}}}."""
+    """Every (length, method, setting) not yet done -> item JSON. {method: {setting: {length: result}}}.
+    The "server" view is :func:`bench.ruler_server.run`."""
     from .methods import parse_windows
     from .report import cached
 
     cfg, res = ctx.cfg, {}
-    names = [m for m in ctx.methods if m in cfg.niah_methods] if cfg.niah_methods else list(ctx.methods)
+    if cfg.niah_view == "server":
+        from . import ruler_server
+
+        return ruler_server.run(ctx)
+    names = niah_names(ctx.methods, cfg.niah_methods)
     for length in cfg.niah_lengths:
         for name in names:
             for setting in settings:
                 key = "none" if name == "bf16" else setting
-                path = ctx.run_dir / "items" / "ruler" / f"{name}__{key}__{length}.json"
+                path = item_path(ctx.run_dir, name, key, length)
 
                 def work():
                     ctx.log(f"[ruler] {name} windows={key} length={length} n={cfg.niah_samples}")
                     return evaluate(ctx.model, ctx.tok, ctx.methods[name], *parse_windows(key), length,
-                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new, cfg.niah_view)
+                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new, "decode")
 
                 res.setdefault(name, {}).setdefault(setting, {})[str(length)] = cached(path, work)
     return res

@@ -28,10 +28,16 @@ def served_model(base: str) -> str:
     return _get(base + "/v1/models")["data"][0]["id"]
 
 
+def completion(base: str, model: str, prompt: str, max_tokens: int = niah.TOKENS_TO_GENERATE,
+               timeout: float = 900) -> dict:
+    """The whole ``/v1/completions`` answer to ``prompt``, greedy (``temperature 0``)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return _post(base + "/v1/completions", body, timeout=timeout)
+
+
 def complete(base: str, model: str, prompt: str, max_tokens: int = niah.TOKENS_TO_GENERATE,
              timeout: float = 900) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    return _post(base + "/v1/completions", body, timeout=timeout)["choices"][0]["text"]
+    return completion(base, model, prompt, max_tokens, timeout)["choices"][0]["text"]
 
 
 def score(samples: list, preds: list) -> dict:

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
-from .. import windows
+from .. import packing, windows
 from .backend import _sdpa, _windowed_attention
 from ..rope import apply_rope, cos_sin, rotate
 
@@ -54,15 +54,6 @@ def _ragged(lens: torch.Tensor, total: int):
     ptr[1:] = torch.cumsum(lens, 0)
     owner = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens, output_size=total)
     return ptr, owner, torch.arange(total, device=dev) - ptr[owner]
-
-
-def unpack_codes(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """Device-side twin of :func:`codec.unpack_codes`: packed [T, nb] uint8 -> codes [T, n] int64."""
-    T, nb = packed.shape
-    dev = packed.device
-    bit = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=dev)) & 1
-    bit = bit.reshape(T, nb * 8)[:, : n * bits].reshape(T, n, bits)
-    return (bit << torch.arange(bits, device=dev)).sum(-1)
 
 
 def _codewords(codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
@@ -179,8 +170,8 @@ class TaSQCudaAdapter:
         """Packed rows (+ fp16 scales [n] / [n, H] or None) -> pre-RoPE k, v [n, H, d] f32."""
         pool, cfg = self.pool, self.cfg
         H = pool.head_num
-        kc = unpack_codes(k_codes, H * pool.gk, cfg.code_bits_k).view(-1, H, pool.gk)
-        vc = unpack_codes(v_codes, H * pool.gv, cfg.code_bits_v).view(-1, H, pool.gv)
+        kc = packing.unpack_codes(k_codes, H * pool.gk, cfg.code_bits_k).view(-1, H, pool.gk)
+        vc = packing.unpack_codes(v_codes, H * pool.gv, cfg.code_bits_v).view(-1, H, pool.gv)
         kp = _codewords(kc, tb.k_cb)
         if k_scale is not None:
             s = k_scale.float()

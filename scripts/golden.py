@@ -222,4 +222,9 @@ def check(d: Path) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("record", "check"):
         raise SystemExit(__doc__)
+    from sglang_tasq.options import set_env
+
+    # compile every Numba kernel afresh (here and in the engine's processes): a kernel cached in
+    # __pycache__ is keyed on its own file only and can hide a change in what it inlines
+    set_env("NUMBA_CACHE_DIR", tempfile.mkdtemp(prefix="golden-numba-"))
     sys.exit(record(Path(sys.argv[2])) if sys.argv[1] == "record" else check(Path(sys.argv[2])))

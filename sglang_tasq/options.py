@@ -65,17 +65,20 @@ class ServeOptions:
         kernels = env.get(ENV_CPU_KERNELS, "1").strip()
         if kernels not in ("0", "1", ""):
             raise OptionError(f"tasq: {ENV_CPU_KERNELS}={kernels!r}: use 0 (plain torch) or 1 (Numba kernels)")
-        return cls(config_path=env.get(ENV_CONFIG, "").strip() or None,
+        return cls(config_path=config_path(env),
                    window_rows=_int(env, ENV_WINDOW_ROWS, None),
                    cpu_kernels=kernels != "0",
                    cuda_view_tokens=_int(env, ENV_CUDA_VIEW_TOKENS, DEFAULT_CUDA_VIEW_TOKENS))
 
-    @property
-    def active(self) -> bool:
-        return self.config_path is not None
-
     def rows(self) -> int:
         return self.window_rows if self.window_rows is not None else DEFAULT_WINDOW_ROWS
+
+
+def config_path(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The artifact path (``SGLANG_TASQ_CONFIG``), or None when TaSQ is off. Read alone, so the
+    plugin's per-call "is TaSQ on" check neither parses nor validates the other variables."""
+    env = os.environ if env is None else env
+    return env.get(ENV_CONFIG, "").strip() or None
 
 
 def export_config_path(path) -> str:

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..options import ENV_CONFIG, ServeOptions  # noqa: F401 (ENV_CONFIG: the name in messages)
+from .. import options
+from ..options import ENV_CONFIG
 BACKEND_NAME = "tasq"
 SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16")
 SUPPORTED_PAGE_SIZES = (None, 1)
@@ -29,7 +30,7 @@ class TaSQLaunchError(ValueError):
 
 def config_path() -> Optional[str]:
     """The active artifact path, or None when TaSQ is off (the plugin then does nothing)."""
-    return ServeOptions.from_env().config_path
+    return options.config_path()
 
 
 def active() -> bool:

@@ -229,11 +229,17 @@ def postprocess(pred: str) -> str:
     return _CONTROL.sub("\n", pred).strip()
 
 
+def sample_score(pred: str, gold: list) -> float:
+    """One sample's ``string_match_all`` score: the fraction of gold strings found
+    (case-insensitive), in [0, 1]."""
+    low = postprocess(pred).lower()
+    return sum(g.lower() in low for g in gold) / len(gold)
+
+
 def string_match_all(preds: list, refs: list) -> float:
-    """Mean over samples of the fraction of gold strings found (case-insensitive) x 100."""
+    """Mean over samples of :func:`sample_score` x 100."""
     if len(preds) != len(refs):
         raise ValueError(f"{len(preds)} predictions for {len(refs)} references")
     if not preds:
         return 0.0
-    per = [sum(r.lower() in postprocess(p).lower() for r in ref) / len(ref) for p, ref in zip(preds, refs)]
-    return 100.0 * sum(per) / len(per)
+    return 100.0 * sum(sample_score(p, ref) for p, ref in zip(preds, refs)) / len(preds)

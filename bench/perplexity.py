@@ -92,6 +92,9 @@ def evaluate(model, windows: torch.Tensor, method: KVMethod, sink: int, recent: 
     Returns ppl, nll, tokens, top1_agree, token_kl (mean over stride positions),
     token_kl_by_pos (per ``bucket`` of positions) and, with ``attn_stats``, layer_nmse /
     layer_kl [L], logit_nmse / attn_kl (mean over layers), bucket_nmse / bucket_kl.
+    ``per_window``: {"nll", "token_kl"[, "logit_nmse", "attn_kl"]} -> [n] values of each window
+    alone (mean NLL per token, mean KL, mean over layers of the window's NMSE / KL), the
+    units :mod:`bench.separation` resamples.
     """
     n, T = windows.shape
     L = model.config.num_hidden_layers
@@ -100,10 +103,12 @@ def evaluate(model, windows: torch.Tensor, method: KVMethod, sink: int, recent: 
     n_tok = n_kl = 0
     nb = -(-T // bucket)
     kl_pos, kl_cnt = torch.zeros(nb, dtype=torch.float64), torch.zeros(nb, dtype=torch.float64)
+    per: dict = {"nll": [], "token_kl": [], **({"logit_nmse": [], "attn_kl": []} if attn_stats else {})}
     t0 = time.time()
     for i in range(n):
         ids = windows[i]
-        sc = token_scores(model, hidden(model, ids, method, sink, recent, stats), ids, stride)
+        win = AttnStats(L, bucket, T) if attn_stats else None
+        sc = token_scores(model, hidden(model, ids, method, sink, recent, win), ids, stride)
         is_ref = method.name == "bf16"
         ref = reference(model, ids, Path(ref_dir) / f"ref_{tag}_{T}_s{stride}_{i}.safetensors", stride,
                         sc if is_ref else None)
@@ -116,10 +121,16 @@ def evaluate(model, windows: torch.Tensor, method: KVMethod, sink: int, recent: 
         agree += (sc["top1"] == ref["top1"]).sum().item()
         kl_sum += kl.double().sum().item()
         n_kl += kl.numel()
+        per["nll"].append(sc["nll"].double().mean().item())
+        per["token_kl"].append(kl.double().mean().item())
+        if win is not None:
+            stats.merge(win)
+            per["logit_nmse"].append(sum(win.layer_nmse()) / L)
+            per["attn_kl"].append(sum(win.layer_kl()) / L)
     out = {"ppl": math.exp(nll / n_tok), "nll": nll / n_tok, "tokens": n_tok, "windows": n, "window_len": T,
            "top1_agree": agree / n_tok, "token_kl": kl_sum / max(1, n_kl), "kl_stride": stride,
            "bucket": bucket, "token_kl_by_pos": (kl_pos / kl_cnt.clamp_min(1)).tolist(),
-           "seconds": round(time.time() - t0, 1)}
+           "per_window": per, "seconds": round(time.time() - t0, 1)}
     if stats is not None:
         ln, lk = stats.layer_nmse(), stats.layer_kl()
         out.update(layer_nmse=ln, layer_kl=lk, logit_nmse=sum(ln) / L, attn_kl=sum(lk) / L,

@@ -9,7 +9,9 @@ perplexity (+ next-token KL, top-1, per-layer attention error), RULER NIAH, erro
 position beyond the calibration length, and a CQ/TaSQ rate sweep. Results go to
 ``bench/results/quality/<config name>/``: ``config.json``, ``items/`` (one JSON per finished
 unit of work, skipped when present), ``work/`` (bf16 reference log-probs, not committed),
-``metrics.json``, ``summary.json``/``summary.md``, PNG plots. The headline copy is
+``metrics.json`` (with ``separates``: :mod:`bench.separation`'s verdicts), ``summary.json``
+(rows; NIAH per length and task as mean, 95% bootstrap interval and n in ``niah_ci``) /
+``summary.md``, PNG plots. The headline copy is
 ``bench/results/quality/summary.json`` (+ ``summary.md``); a quick run does not replace a
 full run's headline, and a run without the perplexity bench (a rate sweep or error-by-position
 run alone) leaves it as it is.
@@ -32,7 +34,7 @@ from pathlib import Path  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
 from . import methods as M  # noqa: E402
-from . import niah, perplexity, positions, rate_sweep, report, ruler, ruler_server  # noqa: E402
+from . import niah, perplexity, positions, rate_sweep, report, ruler, ruler_server, separation  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 BENCHES = ("perplexity", "ruler", "positions", "rate_sweep")
@@ -114,6 +116,9 @@ def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=
 
     if model is None:
         model, tok = perplexity.load_model(cfg.model)
+    limit = model.config.max_position_embeddings
+    if cfg.ppl_len > limit and {"perplexity", "rate_sweep"} & set(cfg.benches):
+        raise ValueError(f"ppl_len {cfg.ppl_len}: model {cfg.model} has {limit} positions")
     H = model.config.num_key_value_heads
     d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     overrides = dict(cfg.artifacts)
@@ -143,6 +148,7 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     sweep = rate_sweep.run(ctx) if "rate_sweep" in cfg.benches else []
     rows = report.summary_rows(cfg.methods, ctx.bits, ppl, nia)
     tg = report.targets(rows)
+    sep = separation.verdicts(ppl.get("wiki", {}), sweep, rows)
     import platform
 
     import torch
@@ -161,12 +167,13 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
                    "setting cannot be served and is not measured.")
     plain_ruler = {m: {s: {k: {kk: vv for kk, vv in r.items() if kk != "preds"} for k, r in by_l.items()}
                        for s, by_l in by_s.items()} for m, by_s in nia.items()}
-    metrics = {"config": dataclasses.asdict(cfg), "env": env, "summary": rows, "targets": tg, "perplexity": ppl,
-               "ruler": plain_ruler, "positions": pos, "rate_sweep": sweep, "wall_s": round(time.time() - t0, 1)}
+    metrics = {"config": dataclasses.asdict(cfg), "env": env, "summary": rows, "targets": tg, "separates": sep,
+               "perplexity": ppl, "ruler": plain_ruler, "positions": pos, "rate_sweep": sweep,
+               "wall_s": round(time.time() - t0, 1)}
     bf = next((r["ppl_wiki"] for r in rows if r["method"] == "bf16"), None)
     metrics["plots"] = report.plots(run_dir, ppl, plain_ruler, pos, sweep, bf)
     report.write_json(run_dir / "metrics.json", metrics)
-    md = report.markdown(rows, tg, plain_ruler, sweep, header)
+    md = report.markdown(rows, tg, plain_ruler, sweep, header, sep)
     report.write_json(run_dir / "summary.json", rows)
     (run_dir / "summary.md").write_text(md)
     _headline(cfg, run_dir, rows, md)
@@ -204,6 +211,8 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--preset", choices=("default", "fast"))
     ap.add_argument("--methods", help=f"comma list of {M.METHODS} or rate points like tasq@g8k256")
     ap.add_argument("--benches", help=f"comma list of {BENCHES}")
+    ap.add_argument("--ppl-len", type=int,
+                    help="tokens per perplexity and rate-sweep window (default 2048; SmolLM2 allows up to 8192)")
     ap.add_argument("--ppl-windows", type=int)
     ap.add_argument("--ood-windows", type=int)
     ap.add_argument("--niah-lengths", help="comma list, e.g. 1024,2048")
@@ -223,9 +232,9 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--results", default=str(RESULTS))
     a = ap.parse_args(argv)
     kw = dict(QUICK) if a.quick else {}
-    simple = {"model": a.model, "preset": a.preset, "ppl_windows": a.ppl_windows, "ood_windows": a.ood_windows,
-              "niah_samples": a.niah_samples, "niah_view": a.niah_view, "pos_windows": a.pos_windows, "pos_len": a.pos_len,
-              "sweep_windows": a.sweep_windows,
+    simple = {"model": a.model, "preset": a.preset, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
+              "ood_windows": a.ood_windows, "niah_samples": a.niah_samples, "niah_view": a.niah_view,
+              "pos_windows": a.pos_windows, "pos_len": a.pos_len, "sweep_windows": a.sweep_windows,
               "artifact_root": a.artifact_root}
     kw.update({k: v for k, v in simple.items() if v is not None})
     for key, val, conv in (("methods", a.methods, str), ("benches", a.benches, str), ("niah_lengths", a.niah_lengths, int),

@@ -23,7 +23,8 @@ def names(bases, points) -> list:
 
 
 def run(ctx, settings=("none", "64+256")) -> list:
-    """Rows {base, g, K, method, windows, bits_k, bits_v, ppl, logit_nmse, token_kl}."""
+    """Rows {base, g, K, method, windows, bits_k, bits_v, ppl, logit_nmse, token_kl, attn_kl, per_window}
+    (``per_window``: the item's per-window values, None in items made before them)."""
     from .methods import parse_windows
     from .report import cached
 
@@ -45,5 +46,6 @@ def run(ctx, settings=("none", "64+256")) -> list:
                 r = cached(path, work)
                 bk, bv = ctx.bits[name]
                 rows.append({"base": base, "g": g, "K": k, "method": name, "windows": setting, "bits_k": bk,
-                             "bits_v": bv, "ppl": r["ppl"], "logit_nmse": r["logit_nmse"], "token_kl": r["token_kl"]})
+                             "bits_v": bv, "ppl": r["ppl"], "logit_nmse": r["logit_nmse"], "token_kl": r["token_kl"],
+                             "attn_kl": r["attn_kl"], "per_window": r.get("per_window")})
     return rows

@@ -1,18 +1,23 @@
-"""Files out for the quality suite: cached item JSONs, the summary rows, targets, the
-markdown report and PNG plots (rate vs PPL, per-layer NMSE, NIAH, error by position)."""
+"""Files out for the quality suite: cached item JSONs, the summary rows (NIAH with 95%
+intervals), targets, the markdown report and PNG plots (rate vs PPL, per-layer NMSE, NIAH,
+error by position)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+from dataclasses import asdict
 from pathlib import Path
 
+from . import separation, stats
 from .methods import ABLATION_METHODS
+from .niah import sample_score
 
 SETTINGS = ("none", "64+256")
 # summary-row field -> item field, for NIAH measured through a server (bench.ruler_server)
 SERVER_ROW_FIELDS = (("niah_view", "view"), ("niah_served_windows", "windows"), ("niah_warm", "avg_warm"),
                      ("niah_warm_equal", "warm_equal_all"), ("niah_agree_decode", "agree_decode_all"))
+MIN_SAMPLES = 2  # per task, for a NIAH interval
 
 
 def write_json(path: Path, obj) -> None:
@@ -32,8 +37,31 @@ def cached(path: Path, work):
     return out
 
 
+def niah_intervals(item: dict) -> dict:
+    """{"interval", "all", "tasks": {task: ...}} of one NIAH item: each a {mean, lo, hi, n} on
+    the 0-100 scale, "all" the mean over tasks.
+
+    Per-sample scores are recomputed from the item's predictions (:func:`bench.niah.sample_score`;
+    server view: the cold pass): a percentile bootstrap per task, stratified by task for "all"
+    (:mod:`bench.stats`). An item without predictions, or with fewer than ``MIN_SAMPLES`` per task
+    (a bootstrap of one sample has no width), gives its means with lo = hi = None."""
+    by_task: dict = {}
+    for p in item.get("preds") or []:
+        by_task.setdefault(p["task"], []).append(100.0 * sample_score(p["pred"], p["gold"]))
+    if by_task and min(map(len, by_task.values())) >= MIN_SAMPLES:
+        return {"interval": f"{stats.DESCRIPTION}; all tasks: stratified by task",
+                "all": asdict(stats.stratified_interval(list(by_task.values()))),
+                "tasks": {t: asdict(stats.mean_interval(v)) for t, v in by_task.items()}}
+    n = {t: len(v) for t, v in by_task.items()} or dict.fromkeys(item["tasks"], item.get("samples_per_task"))
+    why = f"fewer than {MIN_SAMPLES} samples per task" if by_task else "the item holds means only"
+    return {"interval": f"none ({why})",
+            "all": {"mean": item["avg"], "lo": None, "hi": None, "n": None if None in n.values() else sum(n.values())},
+            "tasks": {t: {"mean": v, "lo": None, "hi": None, "n": n.get(t)} for t, v in item["tasks"].items()}}
+
+
 def summary_rows(methods, bits: dict, ppl: dict, niah: dict) -> list:
-    """One row per (method, window setting) with the headline metrics."""
+    """One row per (method, window setting) with the headline metrics; ``niah_ci``: per length,
+    :func:`niah_intervals`."""
     rows = []
     for name in methods:
         for s in SETTINGS:
@@ -43,7 +71,8 @@ def summary_rows(methods, bits: dict, ppl: dict, niah: dict) -> list:
             rows.append({"method": name, "windows": s, "bits_k": bits[name][0], "bits_v": bits[name][1],
                          "ppl_wiki": w.get("ppl"), "ppl_ood": o.get("ppl"), "logit_nmse": w.get("logit_nmse"),
                          "attn_kl": w.get("attn_kl"), "token_kl": w.get("token_kl"),
-                         "top1_agree": w.get("top1_agree"), "niah": {k: v["avg"] for k, v in n.items()}})
+                         "top1_agree": w.get("top1_agree"), "niah": {k: v["avg"] for k, v in n.items()},
+                         "niah_ci": {k: niah_intervals(v) for k, v in n.items()}})
             if any(v.get("view") == "server" for v in n.values()):  # NIAH through a real server: both passes
                 rows[-1].update({f: {k: v.get(key) for k, v in n.items()} for f, key in SERVER_ROW_FIELDS})
     return rows
@@ -93,7 +122,29 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
-def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> str:
+def niah_table(rows: list) -> list:
+    """Markdown lines: NIAH per (method, windows, length), every task and all tasks as
+    'mean [lo, hi]', with the samples per task; server view: each setting a server really
+    applied (bf16 once)."""
+    have = [r for r in rows if r.get("niah_ci")]
+    tasks = sorted({t for r in have for c in r["niah_ci"].values() for t in c["tasks"]})
+    kinds = sorted({c["interval"] for r in have for c in r["niah_ci"].values()})
+    view = " (server view: the cold pass)" if any(r.get("niah_view") for r in have) else ""
+    lines = ["", f"## NIAH by task{view} (string_match_all, 0-100): mean [95% interval]", "",
+             "Interval: " + "; ".join(kinds) + ". n: samples per task.", "",
+             "| method | windows | length | n | all | " + " | ".join(t.replace("niah_", "") for t in tasks) + " |",
+             "|" + "---|" * (5 + len(tasks))]
+    for r in have:
+        for length, c in sorted(r["niah_ci"].items(), key=lambda kv: int(kv[0])):
+            if r.get("niah_served_windows", {}).get(length, r["windows"]) != r["windows"]:
+                continue
+            ns = "/".join(sorted({"-" if v["n"] is None else str(v["n"]) for v in c["tasks"].values()}))
+            cells = " | ".join(stats.text(c["tasks"][t]) if t in c["tasks"] else "-" for t in tasks)
+            lines.append(f"| {r['method']} | {r['windows']} | {length} | {ns} | {stats.text(c['all'])} | {cells} |")
+    return lines
+
+
+def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str, separates: list = ()) -> str:
     lengths = sorted({k for r in rows for k in r["niah"]}, key=int)
     cols = ["method", "windows", "bits K", "bits V", "PPL wiki", "PPL code", "logit NMSE", "attn KL",
             "token KL", "top-1", *[f"NIAH {k}" for k in lengths]]
@@ -107,18 +158,11 @@ def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str) -> s
     verdict = {True: "met", False: "not met", None: "not measured"}
     lines += ["", "## Targets", ""] + [f"- {t['target']}: **{verdict[t['met']]}**"
                                        + (f" ({t['value']})" if t["value"] else "") for t in tgts]
+    lines += separation.markdown(separates)
+    if any(r.get("niah_ci") for r in rows):
+        lines += niah_table(rows)
     if any(r.get("view") == "server" for m in ruler.values() for s in m.values() for r in s.values()):
         lines += server_table(ruler)
-    elif ruler:
-        tasks = sorted({t for m in ruler.values() for s in m.values() for r in s.values() for t in r["tasks"]})
-        lines += ["", "## NIAH by task (string_match_all, 0-100)", "",
-                  "| method | windows | length | " + " | ".join(t.replace("niah_", "") for t in tasks) + " |",
-                  "|" + "---|" * (3 + len(tasks))]
-        for m, by_s in ruler.items():
-            for s, by_l in by_s.items():
-                for length, r in by_l.items():
-                    cells = " | ".join(_f(r["tasks"].get(t), "{:.0f}") for t in tasks)
-                    lines.append(f"| {m} | {s} | {length} | {cells} |")
     if sweep:
         lines += ["", "## Rate sweep (held-out Wikipedia)", "",
                   "| method | windows | g | K | bits K | bits V | PPL | logit NMSE |", "|---|---|---|---|---|---|---|---|"]

@@ -77,11 +77,16 @@ def test_evaluate_metrics_finite_and_bf16_zero(model, tmp_path):
     assert ref["token_kl"] == 0.0 and ref["top1_agree"] == 1.0 and ref["logit_nmse"] == 0.0
     assert ref["attn_kl"] == 0.0 and math.isfinite(ref["ppl"]) and ref["tokens"] == 2 * 95
     assert len(list(tmp_path.glob("ref_t_96_s8_*.safetensors"))) == 2
+    assert all(ref["per_window"][k] == [0.0, 0.0] for k in ("token_kl", "logit_nmse", "attn_kl"))
     for name, win in [("kivi2", (0, 0)), ("fp8_e4m3", (4, 16))]:
         r = perplexity.evaluate(model, wins, baseline(name), *win, tmp_path, "t", stride=8, bucket=32)
         assert all(math.isfinite(r[k]) for k in ("ppl", "token_kl", "logit_nmse", "attn_kl", "top1_agree"))
         assert r["token_kl"] > 0 and r["logit_nmse"] > 0 and len(r["layer_nmse"]) == 2
         assert len(r["token_kl_by_pos"]) == 3 and len(r["bucket_nmse"]) == 3
+        per = r["per_window"]  # equal-length windows: the means of the per-window values are the totals
+        for key in ("nll", "token_kl", "attn_kl"):
+            assert sum(per[key]) / 2 == pytest.approx(r[key])
+        assert all(x > 0 for x in per["logit_nmse"])
     kivi_none = perplexity.evaluate(model, wins, baseline("kivi2"), 0, 0, tmp_path, "t", stride=8)
     kivi_win = perplexity.evaluate(model, wins, baseline("kivi2"), 4, 16, tmp_path, "t", stride=8)
     assert kivi_win["logit_nmse"] < kivi_none["logit_nmse"]

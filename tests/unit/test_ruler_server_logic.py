@@ -127,10 +127,11 @@ def test_report_shows_the_server_view():
     assert tq["niah_view"] == {"1024": "server"} and tq["niah_agree_decode"] == {"1024": None}
     assert next(r for r in rows if r["method"] == "tasq" and r["windows"] == "none")["niah"] == {}
     md = report.markdown(rows, report.targets(rows), nia, [], "# t")
-    assert "## NIAH through the server" in md and "## NIAH by task" not in md
+    assert "## NIAH through the server" in md and "## NIAH by task (server view: the cold pass)" in md
     assert "| tasq | 64+256 | 1024 | cold (0.00) | 100 | 50 | 75.0 | 2/4 | - |" in md
     assert "| tasq | 64+256 | 1024 | warm (0.90) | 50 | 50 | 50.0 |  |  |" in md
-    assert md.count("| bf16 |") == 2 + 2  # two summary rows, one cold + one warm row (not one per setting)
+    # two summary rows, one interval row, one cold + one warm row (not one per setting)
+    assert md.count("| bf16 |") == 2 + 1 + 2
     json.dumps(rows)
 
 

@@ -50,13 +50,15 @@ def _attn_modules(model):
 def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows: int = 0,
             dense_pairs: int = 0, seed: int = 0, progress: bool = True,
             store_queries: bool = False) -> Captured:
-    """Run ``model`` over ``windows`` [n, W] token ids and collect the calibration statistics.
+    """Run ``model`` over ``windows`` [n, W] token ids and collect the calibration statistics
+    (on the model's device; what is stored lives on the CPU).
 
     The first ``fisher_windows`` windows also get a backward pass for the Fisher (their
     tokens are rows ``[0, fisher_windows * W)`` of ``fisher_k``/``fisher_v``). With
     ``store_queries`` the pre-RoPE queries [L, N, Hq, d] fp16 are kept (for evaluation).
     """
     cfg = model.config
+    device = next(model.parameters()).device
     attn = _attn_modules(model)
     L = len(attn)
     Hq = cfg.num_attention_heads
@@ -103,7 +105,8 @@ def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows
             if queries is not None:
                 queries[li, state["row"]:state["row"] + W] = q.half()
             s, c = qw.causal_diag_sums(q, inv_freq, H)
-            qsum[li] += s
+            qsum[li] += s.cpu()
+            q = q.cpu()
             if li == 0:
                 count["diag"] += c
             if qdense is not None:
@@ -124,7 +127,7 @@ def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows
     try:
         for i in tqdm(range(n), desc="capture", unit="win", disable=not progress):
             state["row"] = i * W
-            ids = windows[i : i + 1]
+            ids = windows[i : i + 1].to(device)
             if i < n_fisher or (n_fisher == 0 and i == 0):
                 # the LM loss (and, for Fisher windows, its backward) needs all the logits
                 with torch.set_grad_enabled(i < n_fisher):

@@ -18,12 +18,12 @@ PRESETS = ("default", "fast")
 def build_config(a: argparse.Namespace) -> TaSQConfig:
     base = TaSQConfig.fast() if a.preset == "fast" else TaSQConfig()
     if a.method == "cq":
-        base = dataclasses.replace(base, weighting="none", scale="none", grouping="contiguous", fisher=False)
+        base = dataclasses.replace(base, weighting="none", scale="none", grouping="channels", fisher=True)
     if a.ablation:
         base = base.ablation(a.ablation)
     overrides = {"group_size_k": a.group_size, "group_size_v": a.group_size, "codebook_size_k": a.codebook_size,
                  "codebook_size_v": a.codebook_size, "calib_tokens": a.tokens, "kmeans_iters": a.iters,
-                 "max_kmeans_samples": a.kmeans_samples, "fisher_tokens": a.fisher_tokens, "seed": a.seed,
+                 "max_kmeans_samples": a.kmeans_samples, "kmeans_tol": a.kmeans_tol, "fisher_tokens": a.fisher_tokens, "seed": a.seed,
                  "sink_window": a.sink, "recent_window": a.recent}
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -35,14 +35,19 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output directory (tasq.json + tasq.safetensors)")
     ap.add_argument("--preset", choices=PRESETS, default="default",
                     help="default: 128k tokens; fast: 16k tokens, fewer Lloyd iterations (demos, CI)")
-    ap.add_argument("--method", choices=("tasq", "cq"), default="tasq", help="cq: Coupled Quantization baseline")
+    ap.add_argument("--method", choices=("tasq", "cq"), default="tasq",
+                    help="cq: Coupled Quantization as published (contiguous channel groups, Fisher-weighted "
+                         "k-means; a quality baseline, not servable)")
+    ap.add_argument("--device", help="where the model runs and k-means fits: cpu or cuda[:N] "
+                                     "(default: cuda when available, else cpu)")
     ap.add_argument("--ablation", choices=ABLATIONS, help="remove one TaSQ component")
     ap.add_argument("--corpus", choices=("wiki", "code"), default="wiki")
     ap.add_argument("--group-size", type=int, help="channels per group, K and V (default 8)")
     ap.add_argument("--codebook-size", type=int, help="centroids per codebook, K and V (default 1024)")
     ap.add_argument("--tokens", type=int, help="calibration tokens")
     ap.add_argument("--fisher-tokens", type=int, help="tokens that get a backward pass for the Fisher")
-    ap.add_argument("--iters", type=int, help="Lloyd iterations")
+    ap.add_argument("--iters", type=int, help="at most this many Lloyd iterations (default 25)")
+    ap.add_argument("--kmeans-tol", type=float, help="stop when the k-means objective moves by less (relative; default 1e-3)")
     ap.add_argument("--kmeans-samples", type=int, help="points per codebook for k-means")
     ap.add_argument("--sink", type=int, help="full-precision sink tokens at serving (default 64)")
     ap.add_argument("--recent", type=int, help="full-precision recent tokens at serving (default 256)")
@@ -69,9 +74,13 @@ def summary_lines(manifest: dict) -> list[str]:
         lines.append(f"held-out     key MSE {held.get('key_mse', float('nan')):.4f}  logit NMSE "
                      f"{held.get('logit_nmse', float('nan')):.4f}  value MSE {held.get('value_mse', float('nan')):.4f}"
                      f"  ({held.get('tokens', 0):,} tokens of {held.get('corpus', '?')})")
-        gc = held.get("group_cost_logdet")
+        gc = held.get("group_cost")
         if gc:
-            lines.append(f"grouping     sum log det: {gc['tasq']:.1f} (chosen) vs {gc['contiguous']:.1f} (contiguous pairs)")
+            lines.append(f"grouping     sum det^(1/g): {gc['chosen']:.2f} (chosen) vs {gc['contiguous']:.2f} (contiguous pairs)")
+    km = cal.get("kmeans")
+    if km:
+        lines.append(f"k-means      flat Lloyd, {km['points_per_codebook']:,} points per codebook, {km['iters_min']}-{km['iters_max']} "
+                     f"iterations (tol {km['tol']:g}; last change <= {km['last_rel_change_max']:.2g}), on {km['device']}")
     st = cal.get("stage_times_s")
     if st:
         lines.append("stage times  " + "  ".join(f"{k} {v:.0f}s" for k, v in st.items()))
@@ -90,7 +99,12 @@ def cmd_calibrate(argv) -> int:
     from . import pipeline
 
     try:
-        res = pipeline.run(a.model, cfg, corpus=a.corpus, progress=not a.quiet,
+        pipeline.resolve_device(a.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        res = pipeline.run(a.model, cfg, corpus=a.corpus, progress=not a.quiet, device=a.device,
                            log=(lambda s: None) if a.quiet else (lambda s: print(s, file=sys.stderr)))
     except (UnsupportedModelError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

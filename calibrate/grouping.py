@@ -9,8 +9,18 @@ idx = U u V and eps = 1e-4 * mean(diag Sigma). Matching is networkx's blossom al
 (``min_weight_matching``, perfect on a complete graph with an even number of units).
 A heuristic, as in the paper, not an exact partition search.
 
+One objective throughout: the high-rate distortion of a head, ``sum_G det(Sigma[G,G] + eps
+I)^(1/|G|)`` (:func:`group_cost`). Its last matching round minimizes it exactly over pairings
+of the current units (the edge cost is the merged group's term); earlier rounds apply the same
+function to half-groups. (The paper writes a group's cost as log det, which ranks one group's
+candidates the same way but sums differently across groups; the matching it describes
+minimizes the det root, so that is the objective here, reported and tested.)
+
+``Sigma`` is the centred covariance of the weighted, normalized keys (:func:`covariance`).
+
 Output: a permutation per head in the canonical in-group layout of
-:mod:`sglang_tasq.codec` (group j = pairs a_1..a_m then partners a_1+d/2..a_m+d/2).
+:mod:`sglang_tasq.codec` (group j = pairs a_1..a_m then partners a_1+d/2..a_m+d/2); for
+mode ``channels`` (CQ) the identity.
 """
 from __future__ import annotations
 
@@ -32,14 +42,19 @@ def _edge_cost(sigma: torch.Tensor, idx: list[int], eps: float) -> float:
     return float(torch.exp(logdet / len(idx)))
 
 
+def covariance(x: torch.Tensor) -> torch.Tensor:
+    """Centred covariance per head: x [N, H, d] -> [H, d, d] float64."""
+    x = x.double()
+    mean = x.mean(0)
+    return torch.einsum("nhi,nhj->hij", x, x) / x.shape[0] - torch.einsum("hi,hj->hij", mean, mean)
+
+
 def group_cost(sigma: torch.Tensor, perm: torch.Tensor, g: int) -> float:
-    """Sum over groups of log det(Sigma[G, G] + eps I): the objective the grouping lowers."""
+    """``sum_G det(Sigma[G, G] + eps I)^(1/g)`` over the groups of ``perm``: the objective the
+    matching minimizes (its edge cost, summed over the final groups)."""
+    sigma = sigma.double()
     eps = 1e-4 * float(torch.diagonal(sigma).mean())
-    total = 0.0
-    for j in range(perm.numel() // g):
-        idx = perm[j * g:(j + 1) * g].tolist()
-        total += float(torch.linalg.slogdet(sigma[idx][:, idx] + eps * torch.eye(g, dtype=sigma.dtype))[1])
-    return total
+    return sum(_edge_cost(sigma, perm[j * g:(j + 1) * g].tolist(), eps) for j in range(perm.numel() // g))
 
 
 def match_pairs(sigma: torch.Tensor, g: int) -> torch.Tensor:
@@ -63,8 +78,11 @@ def match_pairs(sigma: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def grouping(sigmas: torch.Tensor, g: int, mode: str) -> torch.Tensor:
-    """sigmas [L, H, d, d] -> permutations [L, H, d]. mode 'covariance' or 'contiguous'."""
+    """sigmas [L, H, d, d] -> permutations [L, H, d]. mode 'covariance', 'contiguous' (whole
+    RoPE pairs in index order) or 'channels' (native channel order: the identity)."""
     L, H, d, _ = sigmas.shape
+    if mode == "channels":
+        return torch.arange(d).expand(L, H, d).clone()
     if mode == "contiguous":
         return contiguous_pair_permutation(d, g).expand(L, H, d).clone()
     return torch.stack([torch.stack([match_pairs(sigmas[l, h], g) for h in range(H)]) for l in range(L)])

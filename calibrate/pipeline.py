@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from sglang_tasq import codec
 from sglang_tasq.artifact import ModelFingerprint, save_artifact
-from sglang_tasq.config import TaSQConfig
+from sglang_tasq.config import ConfigError, TaSQConfig
 from sglang_tasq.models import fingerprint, load_config, resolve_model, rope_inv_freq
 
 from . import corpora, evaluate, fold, grouping, kmeans, weights
@@ -46,14 +46,18 @@ def _stage(times: dict, name: str, log):
 
 
 def _tailor_all(keys: torch.Tensor, cb: codec.Codebooks, layer: int, chunk: int = 32768):
-    """Tailored keys in native channel order [N, H, d] f32 (weights + scale, no permutation)."""
+    """Tailored keys in native channel order [N, H, d] f32 (weights + scale, no permutation)
+    and each token's scale s_p as float32 [N, H] (1 without a scale)."""
     N, H, d = keys.shape
     out = torch.empty(N, H, d)
+    scale = torch.ones(N, H)
     inv = cb.k_inv_perm(layer)
     for s in range(0, N, chunk):
-        x, _ = codec.key_tailor(keys[s:s + chunk].float(), cb, layer)
+        x, sc = codec.key_tailor(keys[s:s + chunk].float(), cb, layer)
         out[s:s + chunk] = torch.gather(x.reshape(-1, H, d), 2, inv.expand(x.shape[0], H, d))
-    return out
+        if sc is not None:
+            scale[s:s + chunk] = (sc.float()[:, None] if sc.dim() == 1 else sc.float()).expand(-1, H)
+    return out, scale
 
 
 @dataclass
@@ -71,9 +75,25 @@ class Prepared:
     times: dict
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """'cpu', 'cuda' (or 'cuda:N'); None: cuda when available, else cpu."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: allowed cpu, cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch has no CUDA device (torch {torch.__version__})")
+    return dev
+
+
 def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print,
-            dense: bool | None = None) -> Prepared:
-    """Load the model and capture ``cfg.calib_tokens`` tokens (Fisher on ``cfg.fisher_tokens``)."""
+            dense: bool | None = None, device: str | torch.device | None = "cpu") -> Prepared:
+    """Load the model on ``device`` and capture ``cfg.calib_tokens`` tokens (Fisher on
+    ``cfg.fisher_tokens``); the captured statistics live on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     times: dict = {}
@@ -82,8 +102,10 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
         fp = fingerprint(load_config(path))
         cfg.check_head_dim(fp.head_dim)
         tok = AutoTokenizer.from_pretrained(path)
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(dev)
         inv_freq, att_scale = rope_inv_freq(lm)
+        inv_freq = inv_freq.cpu()
         W = cfg.window_len
         train = corpora.token_windows(tok, corpus, "train", W, max_tokens=cfg.calib_tokens)
         held = corpora.token_windows(tok, corpus, "heldout", W, max_tokens=EVAL_WINDOWS * W)
@@ -96,19 +118,26 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
     return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times)
 
 
-def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print) -> Result:
-    """prepare + fit: one calibration from scratch."""
+def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print,
+        device: str | None = None) -> Result:
+    """prepare + fit: one calibration from scratch, on ``device`` (default: cuda when available)."""
     t0 = time.time()
-    prep = prepare(model, cfg, corpus, progress, log)
-    res = fit(prep, cfg, progress, log)
+    dev = resolve_device(device)
+    prep = prepare(model, cfg, corpus, progress, log, device=dev)
+    res = fit(prep, cfg, progress, log, device=dev)
     res.times = {**prep.times, **res.times, "total": round(time.time() - t0, 2)}
     res.calibration["wall_time_s"] = res.times["total"]
     res.calibration["stage_times_s"] = dict(res.times)
     return res
 
 
-def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print) -> Result:
-    """Weights -> scale -> grouping -> k-means -> fold -> held-out errors, on captured data."""
+def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
+        device: str | torch.device | None = "cpu") -> Result:
+    """Weights -> scale -> grouping -> k-means -> fold -> held-out errors, on captured data
+    (k-means on ``device``; the other stages are small and stay on the CPU)."""
+    if cfg.kmeans != "flat":
+        raise ConfigError(f"kmeans={cfg.kmeans!r} is recorded in older artifacts and no longer fitted; use 'flat'")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     t_start = time.time()
     times: dict = {}
     torch.manual_seed(cfg.seed)
@@ -136,19 +165,22 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print) -> Re
     with _stage(times, "scale+covariance", log):
         sig = torch.empty(L, H, d, d, dtype=torch.float64)
         for l in range(L):
-            x = _tailor_all(cap.keys[l], cb, l).double()
-            sig[l] = torch.einsum("nhi,nhj->hij", x, x) / x.shape[0]
+            sig[l] = grouping.covariance(_tailor_all(cap.keys[l], cb, l)[0])
     with _stage(times, "grouping", log):
         cb.k_perm = grouping.grouping(sig, gk, cfg.grouping)
         contiguous = grouping.grouping(sig[:1, :1], gk, "contiguous")[0, 0]
-        cost = {"tasq": sum(grouping.group_cost(sig[l, h], cb.k_perm[l, h], gk) for l in range(L) for h in range(H)),
+        cost = {"chosen": sum(grouping.group_cost(sig[l, h], cb.k_perm[l, h], gk) for l in range(L) for h in range(H)),
                 "contiguous": sum(grouping.group_cost(sig[l, h], contiguous, gk) for l in range(L) for h in range(H))}
     with _stage(times, "kmeans", log):
         k_tail = torch.empty(L, H, Gk, cfg.codebook_size_k, gk)
         v_cb = torch.empty(L, H, Gv, cfg.codebook_size_v, gv)
+        km_stats = []
         for l in tqdm(range(L), desc="k-means", unit="layer", disable=not progress):
-            k_tail[l] = _fit_keys(cap, cb, l, gen).view(H, Gk, cfg.codebook_size_k, gk)
-            v_cb[l] = _fit_values(cap, cfg, l, gen).view(H, Gv, cfg.codebook_size_v, gv)
+            rk = _fit(*_key_points(cap, cb, l, gen), cfg, cfg.codebook_size_k, cfg.seed + l, dev)
+            rv = _fit(*_value_points(cap, cfg, l, gen), cfg, cfg.codebook_size_v, cfg.seed + 1000 + l, dev)
+            k_tail[l] = rk.centroids.cpu().view(H, Gk, cfg.codebook_size_k, gk)
+            v_cb[l] = rv.centroids.cpu().view(H, Gv, cfg.codebook_size_v, gv)
+            km_stats += [rk, rv]
     with _stage(times, "fold", log):
         cb.k_codebook = k_tail if cfg.weighting == "dense" else fold.fold_key_codebooks(k_tail, w, cb.k_perm)
         cb.v_codebook = v_cb
@@ -156,13 +188,17 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print) -> Re
         errs = [evaluate.layer_errors(cb, l, ev.keys[l], ev.values[l], ev.queries[l], W, seed=cfg.seed)
                 for l in range(L)]
         errors = {k: sum(e[k] for e in errs) / L for k in errs[0]}
-        errors["group_cost_logdet"] = cost
+        errors["group_cost"] = cost
         errors["per_layer"] = errs
     times["fit_total"] = round(time.time() - t_start, 2)
     n_fisher_tok = cap.fisher_k.shape[1] if (cfg.fisher and cap.fisher_k is not None) else 0
     calib = {"corpus": f"{prep.corpus}/train", "tokens": cap.tokens, "fisher_tokens": n_fisher_tok,
              "windows": cap.tokens // W, "window_len": W, "seed": cfg.seed,
              "wall_time_s": times["fit_total"], "stage_times_s": dict(times), "lm_loss": round(cap.loss, 4),
+             "kmeans": {"points_per_codebook": int(min(cfg.max_kmeans_samples, _pool_size(cap, cfg))),
+                        "iters_min": min(r.iters for r in km_stats), "iters_max": max(r.iters for r in km_stats),
+                        "last_rel_change_max": max(r.rel_change for r in km_stats), "tol": cfg.kmeans_tol,
+                        "empty_reseeded": sum(r.empty_reseeded for r in km_stats), "device": str(dev)},
              "heldout": {"corpus": f"{prep.corpus}/heldout", "tokens": ev.tokens,
                          **{k: v for k, v in errors.items() if k != "per_layer"}},
              "host": f"{platform.machine()} {torch.get_num_threads()} threads",
@@ -170,53 +206,57 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print) -> Re
     return Result(cb, fp, calib, times, errors)
 
 
-def _sample(x: torch.Tensor, wts, n: int, gen: torch.Generator):
-    """x [B, N, g], weights [B, N] or None -> (points, weights or None) for k-means.
+def _pool_size(cap, cfg: TaSQConfig) -> int:
+    """Tokens k-means may draw from: the Fisher tokens when the fit is Fisher-weighted."""
+    return cap.fisher_k.shape[1] if cfg.fisher else cap.keys.shape[1]
 
-    Above ``n`` points, draw n by importance (weights) or uniformly and fit them unweighted
-    (an unbiased stand-in for the weighted objective); otherwise fit all points weighted."""
-    B, N, g = x.shape
+
+def _subset(x: torch.Tensor, wts, n: int, gen: torch.Generator):
+    """x [B, N, g], weights [B, N] or None -> at most n points per codebook, a uniform random
+    subset (the same tokens for every codebook) with their weights: the weighted objective
+    is estimated without bias, and the weights still enter the fit."""
+    N = x.shape[1]
     if N <= n:
         return x, wts
-    idx = kmeans.importance_sample(torch.ones(B, N) if wts is None else wts, n, gen)
-    return torch.gather(x, 1, idx[..., None].expand(B, n, g)), None
+    idx = torch.randperm(N, generator=gen)[:n].sort().values
+    return x[:, idx], None if wts is None else wts[:, idx]
 
 
-def _fit_keys(cap, cb: codec.Codebooks, l: int, gen) -> torch.Tensor:
-    """Tailored key codebooks of layer l: [H*Gk, K, g]."""
+def _key_points(cap, cb: codec.Codebooks, l: int, gen):
+    """Tailored key points of layer l [H*Gk, N, g] and their Fisher weights [H*Gk, N] (or None).
+
+    The Fisher is taken in the tailored space (paper sec. 4.4): with k = s_p W^(-1/2) k~,
+    F~_i = (dL/dk_i)^2 * s_p^2 / w_i^2, summed over the group's channels."""
     cfg = cb.config
     H, d = cb.num_kv_heads, cb.head_dim
     g = cfg.group_size_k
-    n_pool = cap.fisher_k.shape[1] if cap.fisher_k is not None else cap.keys.shape[1]
-    xt = _tailor_all(cap.keys[l, :n_pool], cb, l)  # native order, tailored [N, H, d]
+    n_pool = _pool_size(cap, cfg)
+    xt, scale = _tailor_all(cap.keys[l, :n_pool], cb, l)  # native order, tailored [N, H, d]
     perm = cb.k_perm[l]
     x = torch.gather(xt, 2, perm.expand(n_pool, H, d)).view(n_pool, H * d // g, g).transpose(0, 1)
     wts = None
-    if cap.fisher_k is not None:
-        f = cap.fisher_k[l].float() / cb.k_weight[l].pow(2)  # native units, per channel
+    if cfg.fisher:
+        f = cap.fisher_k[l].float() * scale.pow(2)[..., None] / cb.k_weight[l].pow(2)  # [N, H, d]
         wts = torch.gather(f, 2, perm.expand(n_pool, H, d)).view(n_pool, H * d // g, g).sum(-1).transpose(0, 1)
-    xs, ws = _sample(x.contiguous(), wts, cfg.max_kmeans_samples, gen)
-    return _fit(xs, ws, cfg, cfg.codebook_size_k, cfg.seed + l)
+    return _subset(x.contiguous(), wts, cfg.max_kmeans_samples, gen)
 
 
-def _fit_values(cap, cfg: TaSQConfig, l: int, gen) -> torch.Tensor:
-    """Value codebooks of layer l: [H*Gv, K, g] (contiguous groups, native units)."""
+def _value_points(cap, cfg: TaSQConfig, l: int, gen):
+    """Value points of layer l [H*Gv, N, g] (contiguous groups, native units) and their Fisher."""
     g = cfg.group_size_v
-    n_pool = cap.fisher_v.shape[1] if cap.fisher_v is not None else cap.values.shape[1]
+    n_pool = _pool_size(cap, cfg)
     v = cap.values[l, :n_pool].float()
     H, d = v.shape[1], v.shape[2]
     x = v.reshape(n_pool, H * d // g, g).transpose(0, 1).contiguous()
     wts = None
-    if cap.fisher_v is not None:
+    if cfg.fisher:
         wts = cap.fisher_v[l].float().reshape(n_pool, H * d // g, g).sum(-1).transpose(0, 1)
-    xs, ws = _sample(x, wts, cfg.max_kmeans_samples, gen)
-    return _fit(xs, ws, cfg, cfg.codebook_size_v, cfg.seed + 1000 + l)
+    return _subset(x, wts, cfg.max_kmeans_samples, gen)
 
 
-def _fit(xs, ws, cfg: TaSQConfig, K: int, seed: int) -> torch.Tensor:
-    if cfg.kmeans == "tree" and K >= 16:
-        return kmeans.kmeans_tree(xs, ws, K, cfg.kmeans_iters, seed=seed)
-    return kmeans.kmeans(xs, ws, K, cfg.kmeans_iters, seed=seed).centroids
+def _fit(xs, ws, cfg: TaSQConfig, K: int, seed: int, device: torch.device) -> kmeans.KMeansResult:
+    return kmeans.kmeans(xs.to(device), None if ws is None else ws.to(device), K, cfg.kmeans_iters,
+                         seed=seed, tol=cfg.kmeans_tol)
 
 
 def write(result: Result, out_dir) -> Path:

@@ -33,23 +33,23 @@ def lag_prefix_sums(window: int, inv_freq: torch.Tensor):
 _LAG_CACHE: dict = {}
 
 
-def _lag_sums_cached(window: int, inv_freq: torch.Tensor):
-    key = (window, tuple(inv_freq.tolist()))
+def _lag_sums_cached(window: int, inv_freq: torch.Tensor, device: torch.device):
+    key = (window, tuple(inv_freq.tolist()), str(device))
     if key not in _LAG_CACHE:
         _LAG_CACHE.clear()
-        _LAG_CACHE[key] = lag_prefix_sums(window, inv_freq)
+        _LAG_CACHE[key] = tuple(t.to(device) for t in lag_prefix_sums(window, inv_freq.cpu()))
     return _LAG_CACHE[key]
 
 
 def causal_diag_sums(q: torch.Tensor, inv_freq: torch.Tensor, num_kv_heads: int):
     """Closed-form sums of diag(u u^T) over causal pairs of one window.
 
-    q: [W, Hq, d] pre-RoPE queries at positions 0..W-1. Returns (sums [H, d] float64,
-    pair count) where count = (Hq / H) * W (W + 1) / 2 per KV head.
+    q: [W, Hq, d] pre-RoPE queries at positions 0..W-1 (any device). Returns (sums [H, d]
+    float64 on q's device, pair count) where count = (Hq / H) * W (W + 1) / 2 per KV head.
     """
     W, Hq, d = q.shape
     half = d // 2
-    Cc, Ss, X = _lag_sums_cached(W, inv_freq)  # [W, half]
+    Cc, Ss, X = _lag_sums_cached(W, inv_freq, q.device)  # [W, half]
     q = q.to(torch.float64)
     qa, qb = q[..., :half], q[..., half:]
     Cc, Ss, X = Cc[:, None, :], Ss[:, None, :], X[:, None, :]

@@ -221,7 +221,7 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
         msq = w.pow(2).mean(-1)
         _require(bool(((msq - 1).abs() < 1e-3).all()), f"tensor k.weight: mean(w^2) must be 1 per head, got {msq.min():.4f}..{msq.max():.4f}")
     perm = t["k.perm"].long()
-    check_permutation(perm, cfg.group_size_k)
+    check_permutation(perm, cfg.group_size_k, cfg.grouping)
     inv_freq = t["rope.inv_freq"]
     _require(bool((inv_freq > 0).all()), "tensor rope.inv_freq: must be positive")
 
@@ -232,13 +232,17 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
     return Artifact(manifest=manifest, codebooks=cb, path=p)
 
 
-def check_permutation(perm: torch.Tensor, g: int) -> None:
+def check_permutation(perm: torch.Tensor, g: int, grouping: str = "covariance") -> None:
     """perm [L, H, d]: a permutation per head whose groups hold whole RoPE pairs in the
-    canonical in-group layout (channel l < g/2 pairs with l + g/2)."""
+    canonical in-group layout (channel l < g/2 pairs with l + g/2); for grouping 'channels'
+    (CQ's native channel groups) the identity."""
     L, H, d = perm.shape
     half = d // 2
     sorted_ = torch.sort(perm, dim=-1).values
     _require(bool((sorted_ == torch.arange(d)).all()), "tensor k.perm: not a permutation of the head's channels")
+    if grouping == "channels":
+        _require(bool((perm == torch.arange(d)).all()), "tensor k.perm: grouping 'channels' needs the identity permutation")
+        return
     grp = perm.view(L, H, d // g, g)
     first, second = grp[..., : g // 2], grp[..., g // 2 :]
     ok = (first < half) & (second == first + half)

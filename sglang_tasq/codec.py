@@ -71,8 +71,21 @@ class Codebooks:
         w = torch.gather(self.k_weight[layer], 1, self.k_perm[layer]).view(H, G, 1, g)
         return cb * w
 
+    @property
+    def pairs_in_groups(self) -> bool:
+        """Every key group holds whole RoPE pairs in the canonical in-group layout (permuted
+        channel j*g + l pairs with j*g + l + g/2): what RoPE in the permuted space, and so the
+        serving kernels, need. False for CQ's native-channel groups."""
+        L, H, d = self.k_perm.shape
+        g = self.config.group_size_k
+        p = self.k_perm.view(L, H, d // g, g)
+        return bool((p[..., g // 2:] == p[..., : g // 2] + d // 2).all())
+
     def rope_freq_perm(self, layer: int) -> torch.Tensor:
         """[H, Gk, gk/2] inv_freq of each pair in the permuted in-group layout."""
+        if not self.pairs_in_groups:
+            raise ValueError("key groups split RoPE pairs (grouping='channels'): RoPE cannot be applied "
+                             "in the permuted space; decode to native order (decode_keys) first")
         H, G, _, g = self.k_codebook[layer].shape
         first = self.k_perm[layer].view(H, G, g)[..., : g // 2]
         return self.inv_freq[first]

@@ -36,7 +36,9 @@ def random_codebooks(num_layers: int = 2, num_kv_heads: int = 2, head_dim: int =
     else:
         w = torch.rand(L, H, d, generator=gen) + 0.25
         w = w / w.pow(2).mean(-1, keepdim=True).sqrt()
-    if cfg.grouping == "contiguous":
+    if cfg.grouping == "channels":
+        perm = torch.arange(d).expand(L, H, d).clone()
+    elif cfg.grouping == "contiguous":
         perm = contiguous_pair_permutation(d, gk).expand(L, H, d).clone()
     else:
         perm = torch.stack([random_pair_permutation(H, d, gk, gen) for _ in range(L)])

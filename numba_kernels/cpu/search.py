@@ -107,8 +107,10 @@ _nearest_serial = njit(cache=True, nogil=True, fastmath=True)(_nearest_py)  # sm
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
-def _nearest_lanes(x, cbr, cn, out):
-    """g == 8, many tokens: x [T, N, 8], cbr [N, K, 8] (codeword rows), cn [N, K] -> out [T, N].
+def _nearest_lanes(x, cbr, cn, out, best_out):
+    """g == 8, many tokens: x [T, N, 8], cbr [N, K, 8] (codeword rows), cn [N, K] -> out [T, N]
+    and ``best_out`` [T, N] f32, the minimum of ``|c|^2 - 2 x.c`` (add ``|x|^2`` for the squared
+    distance: what k-means needs for its objective).
 
     Tokens across SIMD lanes: each (block of 64 tokens, codebook) item keeps a running
     minimum and its index per token while it walks the codewords two at a time (broadcast
@@ -157,6 +159,7 @@ def _nearest_lanes(x, cbr, cn, out):
                     arg[i] = np.int32(k)
         for i in range(nt):
             out[t0 + i, n] = arg[i]
+            best_out[t0 + i, n] = best[i]
 
 
 @njit(cache=True, inline="always", fastmath=True)
@@ -184,7 +187,7 @@ def _search(x: np.ndarray, prepared, out: np.ndarray) -> None:
     cbt, cn, cbr = prepared
     T, g = x.shape[0], x.shape[2]
     if T >= _SERIAL_BELOW and g == 8:
-        _nearest_lanes(x, cbr, cn, out)
+        _nearest_lanes(x, cbr, cn, out, np.empty(out.shape, np.float32))
     else:
         (_nearest if T >= _SERIAL_BELOW else _nearest_serial)(x, cbt, cn, _ARGMIN_CHUNK, out)  # chunk: runtime
 
@@ -215,3 +218,19 @@ def nearest(x: torch.Tensor, prepared) -> torch.Tensor:
     if T:
         _search(xf.numpy(), prepared, out)
     return torch.from_numpy(out).to(torch.int64).view(T, H, G)
+
+
+def nearest_sqdist(x: np.ndarray, cbr: np.ndarray, cn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Nearest codeword and its squared distance, for k-means: x [T, N, 8] float32 (finite),
+    codeword rows cbr [N, K, 8], norms cn [N, K] -> (codes [T, N] int32, ``|x - c|^2`` [T, N]
+    float32, clamped at 0). The lane kernel the serving encoder runs for prefills, so the
+    calibration assigns points exactly as serving will encode them."""
+    T, N, g = x.shape
+    if g != 8:
+        raise ValueError(f"nearest_sqdist is the g == 8 lane kernel; got g={g}")
+    codes = np.empty((T, N), np.int32)
+    best = np.empty((T, N), np.float32)
+    _nearest_lanes(x, cbr, cn, codes, best)
+    best += np.einsum("tng,tng->tn", x, x)
+    np.maximum(best, 0, out=best)
+    return codes, best

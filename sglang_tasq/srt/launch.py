@@ -117,7 +117,12 @@ def validate(sa, path: Optional[str] = None):
     if model_path is None:
         raise TaSQLaunchError("tasq: --model-path is required")
     check_model_config(model_config_dict(model_path))
-    return load_checked_artifact(path, model_path)
+    art = load_checked_artifact(path, model_path)
+    if not art.codebooks.pairs_in_groups:
+        raise TaSQLaunchError(f"tasq: artifact {path} groups keys by contiguous channels (grouping "
+                              f"'{art.config.grouping}', the CQ baseline), which splits RoPE pairs across groups; "
+                              "the serving kernels need whole pairs per group: serve a --method tasq artifact")
+    return art
 
 
 def refuse(err: BaseException, code: int = 2) -> None:

@@ -57,6 +57,11 @@ def test_unsupported_server_options(good, args, kw, needle):
     _assert_refused(args(**kw), good, needle)
 
 
+def test_cq_channel_grouped_artifact_is_refused(tmp_path, smollm2_dir, args):
+    cq = make_random_artifact(tmp_path / "cq", smollm2_dir, weighting="none", scale="none", grouping="channels")
+    _assert_refused(args(), cq, "contiguous channels", "splits RoPE pairs", "--method tasq")
+
+
 def _copy(good, tmp_path):
     d = tmp_path / "art"
     shutil.copytree(good.parent, d)

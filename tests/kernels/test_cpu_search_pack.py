@@ -94,3 +94,24 @@ def test_pack_refuses_out_of_range_and_bad_rows():
         cpu.pack(torch.tensor([[4]]), 2)
     with pytest.raises(ValueError, match="bytes"):
         cpu.unpack(torch.zeros(2, 3, dtype=torch.uint8), 3, 10)
+
+
+@pytest.mark.parametrize("T,N,K", [(1, 1, 2), (130, 3, 257), (64, 2, 1024), (200, 5, 33)])
+def test_nearest_sqdist_is_the_lane_search_with_its_distance(T, N, K):
+    """k-means' assignment: the serving lane kernel's codes (first index on ties) and the
+    squared distance to the chosen codeword."""
+    from numba_kernels.cpu.search import nearest_sqdist
+
+    gen = torch.Generator().manual_seed(T * K)
+    cb = torch.randn(N, K, 8, generator=gen)
+    if K > 3:
+        cb[:, K - 1] = cb[:, 1]  # an exact tie: index 1 must win
+    x = torch.randn(T, N, 8, generator=gen)
+    x[0] = cb[:, 1] + 1e-3
+    codes, dist = nearest_sqdist(x.numpy(), cb.numpy(), (cb * cb).sum(-1).numpy())
+    d = ((x.double()[:, :, None] - cb.double()[None]) ** 2).sum(-1)  # [T, N, K]
+    ref = d.argmin(-1)
+    assert (torch.from_numpy(codes).long() == ref).float().mean() >= 0.999
+    assert (torch.from_numpy(codes)[0] == 1).all()
+    chosen = torch.gather(d, 2, torch.from_numpy(codes).long()[..., None])[..., 0]
+    torch.testing.assert_close(torch.from_numpy(dist).double(), chosen, rtol=1e-4, atol=1e-4)

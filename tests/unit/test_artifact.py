@@ -96,3 +96,19 @@ def test_check_cli_exit_codes(art):
     bad = subprocess.run([sys.executable, "-m", "calibrate", "check", str(art)], capture_output=True, text=True)
     assert bad.returncode != 0
     assert len(bad.stderr.strip().splitlines()) == 1 and "format_version" in bad.stderr
+
+
+def test_cq_channel_groups_load_but_do_not_hold_rope_pairs(tmp_path):
+    """CQ's native channel groups (identity permutation) are a valid artifact for the plain-torch
+    paths; it says it cannot be served by RoPE in the permuted space; a non-identity permutation
+    with grouping 'channels' is refused."""
+    cfg = TaSQConfig.cq(codebook_size_k=64, codebook_size_v=64)
+    path = save_artifact(tmp_path / "cq", random_codebooks(2, 2, 16, cfg), FP, CALIB)
+    cb = load_artifact(path, model=FP).codebooks
+    assert cb.config.grouping == "channels" and not cb.pairs_in_groups
+    with pytest.raises(ValueError, match="split RoPE pairs"):
+        cb.rope_freq_perm(0)
+    assert load_artifact(save_artifact(tmp_path / "t", random_codebooks(2, 2, 16), FP, CALIB)).codebooks.pairs_in_groups
+    _edit_tensors(path, lambda t: t.update({"k.perm": t["k.perm"].flip(-1).contiguous()}))
+    with pytest.raises(ArtifactError, match="grouping 'channels' needs the identity permutation"):
+        load_artifact(path)

@@ -4,7 +4,9 @@ Names (``parse``):
 
 * closed-form: ``bf16``, ``fp8_e4m3``, ``kivi2`` (:mod:`sglang_tasq.hf.baselines`);
 * calibrated (one artifact each, made by ``python -m calibrate`` when missing): ``cq``
-  (Coupled Quantization at TaSQ's rate), ``tasq`` and the ablations ``tasq_no_weighting``,
+  (Coupled Quantization as published at TaSQ's rate: channel groups, Fisher-weighted k-means),
+  ``cq_pairs`` (CQ on whole-RoPE-pair groups with unweighted k-means: this project's CQ before
+  issue 13, and the servable form), ``tasq`` and the ablations ``tasq_no_weighting``,
   ``tasq_no_shared_scale``, ``tasq_no_grouping``, ``tasq_no_fisher``,
   ``tasq_dense_weighting``;
 * error localization on the ``tasq`` artifact: ``tasq_keys_only`` (values stay bf16),
@@ -30,7 +32,7 @@ from sglang_tasq.config import ABLATIONS
 
 REF_G, REF_K = 8, 1024
 ABLATION_METHODS = tuple(f"tasq_{a}" for a in ABLATIONS)
-METHODS = (*BASELINES, "cq", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only")
+METHODS = (*BASELINES, "cq", "cq_pairs", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only")
 _RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)$")
 
 
@@ -40,7 +42,7 @@ class MethodSpec:
 
     name: str
     closed_form: Optional[str] = None  # a baselines.BASELINES name
-    calib: Optional[str] = None  # "tasq" | "cq"
+    calib: Optional[str] = None  # "tasq" | "cq" | "cq_pairs"
     ablation: Optional[str] = None
     group_size: int = REF_G
     codebook_size: int = REF_K
@@ -68,7 +70,7 @@ class MethodSpec:
         """Manifest config fields an artifact for this spec must have."""
         from sglang_tasq.config import TaSQConfig
 
-        cfg = TaSQConfig.cq() if self.calib == "cq" else TaSQConfig()
+        cfg = {"cq": TaSQConfig.cq(), "cq_pairs": TaSQConfig.cq_pairs()}.get(self.calib, TaSQConfig())
         if self.ablation:
             cfg = cfg.ablation(self.ablation)
         want = {k: getattr(cfg, k) for k in ("weighting", "scale", "grouping", "fisher")}
@@ -80,7 +82,7 @@ def parse(name: str) -> MethodSpec:
     """A method name -> its spec; unknown names raise ValueError listing the allowed ones."""
     if name in BASELINES:
         return MethodSpec(name, closed_form=name)
-    if name in ("cq", "tasq"):
+    if name in ("cq", "cq_pairs", "tasq"):
         return MethodSpec(name, calib=name)
     if name in ABLATION_METHODS:
         return MethodSpec(name, calib="tasq", ablation=name[len("tasq_"):])

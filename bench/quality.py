@@ -109,6 +109,7 @@ class Context:
     bits: dict  # name -> (bits_k, bits_v)
     run_dir: Path
     log: Callable = field(default=print)
+    artifact_ids: dict = field(default_factory=dict)  # artifact name -> sha256 of its tensors file
 
 
 def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=None) -> Context:
@@ -125,14 +126,28 @@ def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=
     sweep_names = rate_sweep.names(cfg.sweep_methods, cfg.sweep_points) if "rate_sweep" in cfg.benches else []
     calibrated = any(M.parse(n).calib for n in [*cfg.methods, *sweep_names])
     fp = fingerprint(load_config(resolve_model(cfg.model))) if calibrated else None
-    built, bits = {}, {}
+    built, bits, ids = {}, {}, {}
     for name in dict.fromkeys([*cfg.methods, *sweep_names]):
         spec = M.parse(name)
         art = M.ensure_artifact(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, log)
         built[name] = M.build(spec, art, fp)
         bits[name] = M.bits(built[name], H, d)
+        if art is not None:
+            ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
     return Context(cfg, model, tok, {m: built[m] for m in cfg.methods}, {m: built[m] for m in sweep_names},
-                   bits, run_dir, log)
+                   bits, run_dir, log, ids)
+
+
+def check_artifacts(run_dir: Path, ids: dict) -> None:
+    """Results are resumed only with the artifacts they were computed with (recorded in
+    ``artifacts.json``): a recalibrated artifact would otherwise mix old and new items."""
+    path = run_dir / "artifacts.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    stale = {k: (old[k][:12], v[:12]) for k, v in ids.items() if k in old and old[k] != v}
+    if stale:
+        raise ValueError(f"results in {run_dir} were computed with other artifacts (name: (then, now) tensors sha256) "
+                         f"{stale}; pass --results DIR for a new run, or delete the folder")
+    report.write_json(path, {**old, **ids})
 
 
 def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=None) -> dict:
@@ -142,6 +157,7 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     report.write_json(run_dir / "config.json", dataclasses.asdict(cfg))
     t0 = time.time()
     ctx = build_context(cfg, run_dir, log, model, tok)
+    check_artifacts(run_dir, ctx.artifact_ids)
     ppl = perplexity.run(ctx) if "perplexity" in cfg.benches else {}
     nia = ruler.run(ctx) if "ruler" in cfg.benches else {}
     pos = positions.run(ctx) if "positions" in cfg.benches else {}

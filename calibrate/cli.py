@@ -19,6 +19,8 @@ def build_config(a: argparse.Namespace) -> TaSQConfig:
     base = TaSQConfig.fast() if a.preset == "fast" else TaSQConfig()
     if a.method == "cq":
         base = dataclasses.replace(base, weighting="none", scale="none", grouping="channels", fisher=True)
+    elif a.method == "cq_pairs":
+        base = dataclasses.replace(base, weighting="none", scale="none", grouping="contiguous", fisher=False)
     if a.ablation:
         base = base.ablation(a.ablation)
     overrides = {"group_size_k": a.group_size, "group_size_v": a.group_size, "codebook_size_k": a.codebook_size,
@@ -35,9 +37,10 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output directory (tasq.json + tasq.safetensors)")
     ap.add_argument("--preset", choices=PRESETS, default="default",
                     help="default: 128k tokens; fast: 16k tokens, fewer Lloyd iterations (demos, CI)")
-    ap.add_argument("--method", choices=("tasq", "cq"), default="tasq",
+    ap.add_argument("--method", choices=("tasq", "cq", "cq_pairs"), default="tasq",
                     help="cq: Coupled Quantization as published (contiguous channel groups, Fisher-weighted "
-                         "k-means; a quality baseline, not servable)")
+                         "k-means; a quality baseline, not servable); cq_pairs: CQ on whole-RoPE-pair groups, "
+                         "unweighted k-means (servable)")
     ap.add_argument("--device", help="where the model runs and k-means fits: cpu or cuda[:N] "
                                      "(default: cuda when available, else cpu)")
     ap.add_argument("--ablation", choices=ABLATIONS, help="remove one TaSQ component")

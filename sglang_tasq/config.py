@@ -117,6 +117,12 @@ class TaSQConfig:
         no channel weights or scale, Fisher-weighted k-means."""
         return cls(weighting="none", scale="none", grouping="channels", fisher=True, **kw)
 
+    @classmethod
+    def cq_pairs(cls, **kw) -> "TaSQConfig":
+        """CQ on whole-RoPE-pair groups with unweighted k-means: servable (the serving kernels
+        need pairs inside groups), and the CQ this project ran before CQ as published."""
+        return cls(weighting="none", scale="none", grouping="contiguous", fisher=False, **kw)
+
     def ablation(self, name: str) -> "TaSQConfig":
         """This config with one TaSQ component removed (or swapped, for dense weights)."""
         change = {

@@ -158,6 +158,10 @@ def test_method_names():
     r = M.parse("cq@g4k256")
     assert r.artifact_name == "cq_g4k256" and r.expected_config()["weighting"] == "none"
     assert M.parse("tasq@g8k1024").artifact_name == "tasq"
+    assert M.parse("cq").expected_config()["grouping"] == "channels" and M.parse("cq").expected_config()["fisher"]
+    cp = M.parse("cq_pairs")
+    assert cp.expected_config()["grouping"] == "contiguous" and not cp.expected_config()["fisher"]
+    assert cp.calibrate_argv("m", "fast", "out")[cp.calibrate_argv("m", "fast", "out").index("--method") + 1] == "cq_pairs"
     ko = M.parse("tasq_keys_only")
     assert ko.artifact_name == "tasq" and not ko.values
     assert M.parse_windows("none") == (0, 0) and M.parse_windows("64+256") == (64, 256)
@@ -225,3 +229,12 @@ def test_headline_only_from_perplexity_runs():
     assert replaces_headline(QualityConfig(quick=True), [{"method": "bf16", "quick": True}])
     assert not replaces_headline(QualityConfig(benches=("rate_sweep",)), None)
     assert not replaces_headline(QualityConfig(benches=("positions", "ruler")), full)
+
+
+def test_results_resume_only_with_the_same_artifacts(tmp_path):
+    from bench import quality as Q
+
+    Q.check_artifacts(tmp_path, {"tasq": "a" * 64})
+    Q.check_artifacts(tmp_path, {"tasq": "a" * 64, "cq": "b" * 64})  # a new artifact name is added
+    with pytest.raises(ValueError, match="computed with other artifacts"):
+        Q.check_artifacts(tmp_path, {"tasq": "c" * 64})

@@ -3,11 +3,14 @@ import torch
 import pytest
 
 from calibrate import cli, pipeline
+from sglang_tasq.config import TaSQConfig
 
 
 def test_cq_is_coupled_quantization_as_published():
     cfg = cli.build_config(cli._calibrate_parser().parse_args(["--out", "x", "--method", "cq"]))
     assert (cfg.weighting, cfg.scale, cfg.grouping, cfg.fisher, cfg.kmeans) == ("none", "none", "channels", True, "flat")
+    pairs = cli.build_config(cli._calibrate_parser().parse_args(["--out", "x", "--method", "cq_pairs"]))
+    assert pairs == TaSQConfig.cq_pairs() and pairs.grouping == "contiguous" and not pairs.fisher
     tasq = cli.build_config(cli._calibrate_parser().parse_args(["--out", "x", "--kmeans-tol", "0", "--iters", "40"]))
     assert (tasq.grouping, tasq.kmeans_tol, tasq.kmeans_iters, tasq.max_kmeans_samples) == ("covariance", 0.0, 40, 32768)
 

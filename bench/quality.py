@@ -53,7 +53,7 @@ class QualityConfig:
     ood_windows: int = 8
     kl_stride: int = 32
     niah_lengths: tuple = (1024, 2048, 4096, 8192)
-    niah_samples: int = 2
+    niah_samples: int = 8  # per task: enough for a 95% interval (bench.stats)
     niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
     niah_view: str = "decode"  # "decode": HF model under the window rule; "server": real SGLang servers

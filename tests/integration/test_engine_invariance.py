@@ -112,7 +112,7 @@ def test_same_answer_cold_after_others_warm_and_in_a_batch(numba_run):
     assert run["chat_warm"] == run["chat_fresh"], (run["chat_warm"], run["chat_fresh"])
 
 
-def _same_or_near_tie(got, want, prompt_ids, model, artifact):
+def _assert_same_or_near_tie(got, want, prompt_ids, model, artifact):
     """``got == want``, or the two part at a near-tie of the HF reference (see NEAR_TIE)."""
     if got == want:
         return
@@ -132,7 +132,7 @@ def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run, p
     two may part only at a near-tie of the reference (measured: "3945." vs "3945" at a top-2
     gap of ~0.1 nats)."""
     for got, want, ids in zip(torch_chunked_run["batch"], torch_chunked_run["cold"], prompts["main"]):
-        _same_or_near_tie(got, want, ids, smollm2_dir, artifact)
+        _assert_same_or_near_tie(got, want, ids, smollm2_dir, artifact)
 
 
 def test_the_torch_run_retracted_requests(torch_chunked_run):
@@ -148,7 +148,7 @@ def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_c
     attention by the window rule, so the same tokens up to float rounding: they may part only at
     a near-tie of the reference."""
     for got, want, ids in zip(torch_chunked_run["cold"], numba_run["cold"], prompts["main"]):
-        _same_or_near_tie(got, want, ids, smollm2_dir, artifact)
+        _assert_same_or_near_tie(got, want, ids, smollm2_dir, artifact)
 
 
 def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artifact):

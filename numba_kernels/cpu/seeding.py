@@ -4,8 +4,10 @@ Classic k-means++: the first centroid is drawn with probability proportional to 
 weight ``w``, every next one with probability proportional to ``w * D^2`` (D: distance to the
 nearest centroid chosen so far), one centroid per draw, over all points. The uniform numbers
 of the draws come from the caller (a seeded torch generator), so the result does not depend
-on the thread count. Points are read transposed (``[B, g, N]``: points across SIMD lanes);
-the sum of ``w * D^2`` is kept per block of points so a draw scans blocks, then one block.
+on the thread count. g == 8 (the unrolled update). Points are read transposed and padded to
+whole blocks with zero-weight points (``[B, 8, Np]``: points across SIMD lanes, constant trip
+counts so the update vectorizes); the sum of ``w * D^2`` is kept per block, so a draw scans
+blocks, then one block.
 """
 from __future__ import annotations
 

@@ -25,10 +25,16 @@ from engine_worker import chat_ids, reference_logprobs, reference_top2, run_work
 
 NEW = 12
 # Across paths whose float arithmetic differs (torch vs Numba kernels, a prefill split into
-# chunks or re-run after a retraction), greedy answers may part only at a near-tie: where the
-# reference's top-2 log-probs are closer than this (the bf16 logits' resolution at these
-# magnitudes is ~0.06-0.125 nats), and on one of those two tokens.
-NEAR_TIE = 0.25
+# chunks or re-run after a retraction), greedy answers may part only at a near-tie, on one of
+# the top-2 tokens. The gap is measured on the HF reference, whose log-probs sit up to
+# HF_LOGPROB_MAX from the engine's (test_logprobs_match_hf_token_by_token), so an engine gap of
+# ENGINE_TIE can show as up to ENGINE_TIE + 2 * HF_LOGPROB_MAX there. Measured partings with the
+# issue-13 artifact: "3945." vs "3945" at an HF gap of 0.125 nats; a passcode's first digit at
+# 0.5 nats (torch chunked path under SGLang's retraction hook vs the Numba path, in one of two
+# full-suite runs: the hook retracts "cold" requests too, so their re-prefill order varies).
+HF_LOGPROB_MAX = 0.2
+ENGINE_TIE = 0.25
+NEAR_TIE = ENGINE_TIE + 2 * HF_LOGPROB_MAX
 GREEDY = {"temperature": 0, "max_new_tokens": NEW}
 ROWS = 4  # SGLANG_TASQ_WINDOW_ROWS: at most 4 requests run at once
 
@@ -170,4 +176,4 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artif
     ref = reference_logprobs(smollm2_dir, art.codebooks, prompts["main"][1], ids, cfg.sink_window, cfg.recent_window)
     diffs = [abs(a - b) for (a, _), b in zip(lp, ref)]
     print('logprob diffs', [round(x, 4) for x in diffs])
-    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.08, (diffs, lp, ref)
+    assert max(diffs) < HF_LOGPROB_MAX and sum(diffs) / len(diffs) < 0.08, (diffs, lp, ref)

@@ -75,8 +75,8 @@ class Prepared:
     times: dict
 
 
-def resolve_device(device: str | None) -> torch.device:
-    """'cpu', 'cuda' (or 'cuda:N'); None: cuda when available, else cpu."""
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'cpu', 'cuda' (or 'cuda:N', or a torch.device); None: cuda when available, else cpu."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -102,7 +102,7 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
         fp = fingerprint(load_config(path))
         cfg.check_head_dim(fp.head_dim)
         tok = AutoTokenizer.from_pretrained(path)
-        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        dev = resolve_device(device)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(dev)
         inv_freq, att_scale = rope_inv_freq(lm)
         inv_freq = inv_freq.cpu()
@@ -137,7 +137,7 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
     (k-means on ``device``; the other stages are small and stay on the CPU)."""
     if cfg.kmeans != "flat":
         raise ConfigError(f"kmeans={cfg.kmeans!r} is recorded in older artifacts and no longer fitted; use 'flat'")
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dev = resolve_device(device)
     t_start = time.time()
     times: dict = {}
     torch.manual_seed(cfg.seed)

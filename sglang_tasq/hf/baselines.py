@@ -32,6 +32,11 @@ class SideQuantizer(Protocol):
               and ``attention_scaling`` must be set. False: post-RoPE keys as cached.
     block:    tokens coded together along the token axis (1 = each token on its own)
     exact:    True when decode(encode(x)) == x (no full-precision windows are needed)
+
+    A quantizer whose code depends on the token's position (NSNQuant's keys: statistics
+    taken before RoPE, the residual coded after it) also sets ``positional = True``; the
+    cache then passes ``positions=`` [T] (the tokens' cache indices) to ``encode`` and
+    ``decode``.
     """
 
     name: str

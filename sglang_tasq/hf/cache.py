@@ -193,7 +193,8 @@ class QuantizedKVLayer(DynamicLayer):
             x = self.bufs[name][r, :, a:b].transpose(0, 1)  # [T, H, d] model dtype
             if name == "k" and side.q.pre_rope:
                 x = unrotate_keys(x, pos, side.q.inv_freq, side.q.attention_scaling)
-            store.append(side.q.encode(x, self.layer_idx, side.state))
+            kw = {"positions": pos} if getattr(side.q, "positional", False) else {}
+            store.append(side.q.encode(x, self.layer_idx, side.state, **kw))
         side.coded = b
 
     def _read_back(self, name: str, side: _Side, T1: int, bound: int) -> None:
@@ -204,8 +205,11 @@ class QuantizedKVLayer(DynamicLayer):
         if b <= a:
             return
         for r, store in enumerate(side.rows):
-            x = side.q.decode(store.slice(a // blk, -(-b // blk)), self.layer_idx, side.state)
-            x = x[a - (a // blk) * blk :][: b - a]
+            n0, n1 = a // blk, -(-b // blk)  # whole blocks holding [a, b)
+            kw = {"positions": torch.arange(n0 * blk, n1 * blk, device=self.device)} \
+                if getattr(side.q, "positional", False) else {}
+            x = side.q.decode(store.slice(n0, n1), self.layer_idx, side.state, **kw)
+            x = x[a - n0 * blk :][: b - a]
             if name == "k" and side.q.pre_rope:
                 pos = torch.arange(a, b, device=self.device)
                 x = apply_rope(x, pos, side.q.inv_freq, side.q.attention_scaling)

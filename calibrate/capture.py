@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from sglang_tasq.rope import apply_rope
+
 from . import weights as qw
 
 
@@ -34,6 +36,8 @@ class Captured:
     tokens: int
     loss: float  # mean LM loss of the bf16 model over the Fisher windows (else the first window)
     queries: Optional[torch.Tensor] = None  # [L, N, Hq, d] fp16 pre-RoPE, if stored
+    q_post_sums: Optional[torch.Tensor] = None  # [L, H, d, d] float64: sum of post-RoPE q q^T (NovaKV)
+    q_post_count: int = 0  # query vectors in q_post_sums per KV head
 
 
 def _store_sq(buf, li, r, W, H, d):
@@ -49,13 +53,15 @@ def _attn_modules(model):
 
 def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows: int = 0,
             dense_pairs: int = 0, seed: int = 0, progress: bool = True,
-            store_queries: bool = False) -> Captured:
+            store_queries: bool = False, post_rope_queries: bool = False) -> Captured:
     """Run ``model`` over ``windows`` [n, W] token ids and collect the calibration statistics
     (on the model's device; what is stored lives on the CPU).
 
     The first ``fisher_windows`` windows also get a backward pass for the Fisher (their
     tokens are rows ``[0, fisher_windows * W)`` of ``fisher_k``/``fisher_v``). With
-    ``store_queries`` the pre-RoPE queries [L, N, Hq, d] fp16 are kept (for evaluation).
+    ``store_queries`` the pre-RoPE queries [L, N, Hq, d] fp16 are kept (for evaluation); with
+    ``post_rope_queries`` the second moment of the post-RoPE queries (positions 0..W-1 of each
+    window, summed over the query heads of each KV head) is accumulated (NovaKV's key map).
     """
     cfg = model.config
     device = next(model.parameters()).device
@@ -75,6 +81,8 @@ def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows
     queries = torch.empty(L, N, Hq, d, dtype=torch.float16) if store_queries else None
     qsum = torch.zeros(L, H, d, dtype=torch.float64)
     qdense = torch.zeros(L, H, d, d, dtype=torch.float64) if dense_pairs else None
+    qpost = torch.zeros(L, H, d, d, dtype=torch.float64) if post_rope_queries else None
+    positions = torch.arange(W, device=device)
     gen = torch.Generator().manual_seed(seed)
     state = {"row": 0}
     count = {"diag": 0, "dense": 0}
@@ -106,6 +114,9 @@ def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows
                 queries[li, state["row"]:state["row"] + W] = q.half()
             s, c = qw.causal_diag_sums(q, inv_freq, H)
             qsum[li] += s.cpu()
+            if qpost is not None:
+                qp = apply_rope(q, positions, inv_freq.to(q.device)).double().view(W, H, Hq // H, d)
+                qpost[li] += torch.einsum("thri,thrj->hij", qp, qp).cpu()
             q = q.cpu()
             if li == 0:
                 count["diag"] += c
@@ -143,4 +154,4 @@ def capture(model, windows: torch.Tensor, inv_freq: torch.Tensor, fisher_windows
         for h in hooks:
             h.remove()
     return Captured(keys, values, fk, fv, qsum, count["diag"], qdense, count["dense"], N,
-                    sum(losses) / max(1, len(losses)), queries)
+                    sum(losses) / max(1, len(losses)), queries, qpost, N * (Hq // H) if post_rope_queries else 0)

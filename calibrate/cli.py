@@ -21,6 +21,10 @@ def build_config(a: argparse.Namespace) -> TaSQConfig:
         base = dataclasses.replace(base, weighting="none", scale="none", grouping="channels", fisher=True)
     elif a.method == "cq_pairs":
         base = dataclasses.replace(base, weighting="none", scale="none", grouping="contiguous", fisher=False)
+    elif a.method == "novakv":
+        nova = TaSQConfig.novakv()
+        base = dataclasses.replace(base, **{k: getattr(nova, k) for k in (
+            "weighting", "scale", "grouping", "fisher", "key_rope", "group_size_k", "codebook_size_k")})
     if a.ablation:
         base = base.ablation(a.ablation)
     overrides = {"group_size_k": a.group_size, "group_size_v": a.group_size, "codebook_size_k": a.codebook_size,
@@ -37,10 +41,12 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output directory (tasq.json + tasq.safetensors)")
     ap.add_argument("--preset", choices=PRESETS, default="default",
                     help="default: 128k tokens; fast: 16k tokens, fewer Lloyd iterations (demos, CI)")
-    ap.add_argument("--method", choices=("tasq", "cq", "cq_pairs"), default="tasq",
+    ap.add_argument("--method", choices=("tasq", "cq", "cq_pairs", "novakv"), default="tasq",
                     help="cq: Coupled Quantization as published (contiguous channel groups, Fisher-weighted "
                          "k-means; a quality baseline, not servable); cq_pairs: CQ on whole-RoPE-pair groups, "
-                         "unweighted k-means (servable)")
+                         "unweighted k-means (servable); novakv: NovaKV's post-RoPE keys (query-whitened KLT, "
+                         "stratified groups, per-head scale; keys g=4 K=256 unless --group-size/--codebook-size; "
+                         "a quality baseline, not servable)")
     ap.add_argument("--device", help="where the model runs and k-means fits: cpu or cuda[:N] "
                                      "(default: cuda when available, else cpu)")
     ap.add_argument("--ablation", choices=ABLATIONS, help="remove one TaSQ component")
@@ -66,7 +72,8 @@ def summary_lines(manifest: dict) -> list[str]:
         f"model        {m['architecture']}  layers={m['num_layers']} q_heads={m['num_q_heads']} "
         f"kv_heads={m['num_kv_heads']} head_dim={m['head_dim']} rope_theta={m['rope_theta']:g}",
         f"quantizer    K: g={c['group_size_k']} K={c['codebook_size_k']}  V: g={c['group_size_v']} K={c['codebook_size_v']}  "
-        f"weighting={c['weighting']} scale={c['scale']} grouping={c['grouping']} fisher={c['fisher']}",
+        f"weighting={c['weighting']} scale={c['scale']} grouping={c['grouping']} fisher={c['fisher']}"
+        f" keys={c.get('key_rope', 'pre')}-RoPE",
         f"bits/elem    K {manifest['bits_k']:.4f}  V {manifest['bits_v']:.4f}  (bf16: 16; "
         f"{32 / (manifest['bits_k'] + manifest['bits_v']):.1f}x smaller before windows)",
         f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision",

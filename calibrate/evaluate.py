@@ -5,6 +5,10 @@
   ``sum (q_t . R_p (k_p - k_hat_p))^2 / sum (q_t . R_p k_p)^2`` with post-RoPE queries;
   computed as ``u . delta`` with ``u = R_{t-p} q~_t`` (see :mod:`calibrate.weights`);
 * value MSE: ``||v - v_hat||^2 / ||v||^2``.
+
+Post-RoPE quantizers (NovaKV, ``key_rope == 'post'``) code the keys rotated to their position
+in the window; their reconstruction is turned back before RoPE, so every figure is in the same
+(pre-RoPE) frame, and RoPE is norm-preserving, so the key MSE is the post-RoPE one too.
 """
 from __future__ import annotations
 
@@ -15,11 +19,19 @@ from sglang_tasq.rope import apply_rope
 
 
 def layer_errors(cb: codec.Codebooks, layer: int, keys: torch.Tensor, values: torch.Tensor,
-                 queries: torch.Tensor | None, window: int, pairs: int = 8192, seed: int = 0) -> dict:
+                 queries: torch.Tensor | None, window: int, pairs: int = 8192, seed: int = 0,
+                 attention_scaling: float = 1.0) -> dict:
     """keys/values [N, H, d], queries [N, Hq, d] pre-RoPE, N a multiple of ``window``."""
     k = keys.float()
-    codes, scale = codec.encode_keys(k, cb, layer)
-    k_hat = codec.decode_keys(codes, scale, cb, layer)
+    if cb.config.key_rope == "post":
+        pos = torch.arange(k.shape[0]) % window
+        k_post = apply_rope(k, pos, cb.inv_freq, attention_scaling)
+        codes, scale = codec.encode_keys(k_post, cb, layer)
+        k_hat = apply_rope(codec.decode_keys(codes, scale, cb, layer), pos, cb.inv_freq, attention_scaling,
+                           inverse=True)
+    else:
+        codes, scale = codec.encode_keys(k, cb, layer)
+        k_hat = codec.decode_keys(codes, scale, cb, layer)
     v = values.float()
     v_hat = codec.decode_values(codec.encode_values(v, cb, layer), cb, layer)
     out = {

@@ -20,14 +20,14 @@ minimizes the det root, so that is the objective here, reported and tested.)
 
 Output: a permutation per head in the canonical in-group layout of
 :mod:`sglang_tasq.codec` (group j = pairs a_1..a_m then partners a_1+d/2..a_m+d/2); for
-mode ``channels`` (CQ) the identity.
+mode ``channels`` (CQ) the identity; for ``stratified`` (NovaKV's KLT coefficients) a fixed map.
 """
 from __future__ import annotations
 
 import networkx as nx
 import torch
 
-from sglang_tasq.codec import contiguous_pair_permutation
+from sglang_tasq.codec import contiguous_pair_permutation, stratified_permutation
 
 
 def _channels(unit: tuple[int, ...], half: int) -> list[int]:
@@ -79,10 +79,13 @@ def match_pairs(sigma: torch.Tensor, g: int) -> torch.Tensor:
 
 def grouping(sigmas: torch.Tensor, g: int, mode: str) -> torch.Tensor:
     """sigmas [L, H, d, d] -> permutations [L, H, d]. mode 'covariance', 'contiguous' (whole
-    RoPE pairs in index order) or 'channels' (native channel order: the identity)."""
+    RoPE pairs in index order), 'channels' (native channel order: the identity) or
+    'stratified' (NovaKV: coefficient i*G + j at permuted channel j*g + i)."""
     L, H, d, _ = sigmas.shape
     if mode == "channels":
         return torch.arange(d).expand(L, H, d).clone()
     if mode == "contiguous":
         return contiguous_pair_permutation(d, g).expand(L, H, d).clone()
+    if mode == "stratified":
+        return stratified_permutation(d, g).expand(L, H, d).clone()
     return torch.stack([torch.stack([match_pairs(sigmas[l, h], g) for h in range(H)]) for l in range(L)])

@@ -20,6 +20,7 @@ from sglang_tasq import codec
 from sglang_tasq.artifact import ModelFingerprint, save_artifact
 from sglang_tasq.config import ConfigError, TaSQConfig
 from sglang_tasq.models import fingerprint, load_config, resolve_model, rope_inv_freq
+from sglang_tasq.rope import apply_rope
 
 from . import corpora, evaluate, fold, grouping, kmeans, weights
 from .capture import capture
@@ -113,7 +114,8 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
     dense = cfg.weighting == "dense" if dense is None else dense
     with _stage(times, "capture", log):
         cap = capture(lm, train, inv_freq, fisher_windows=n_fisher,
-                      dense_pairs=DENSE_PAIRS_PER_WINDOW if dense else 0, seed=cfg.seed, progress=progress)
+                      dense_pairs=DENSE_PAIRS_PER_WINDOW if dense else 0, seed=cfg.seed, progress=progress,
+                      post_rope_queries=cfg.key_rope == "post")
         ev = capture(lm, held, inv_freq, store_queries=True, progress=progress)
     return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times)
 
@@ -147,25 +149,34 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
         raise ValueError("config asks for Fisher weighting but the capture has no Fisher pass")
     if cfg.weighting == "dense" and cap.q_dense_sums is None:
         raise ValueError("config asks for dense weighting but the capture has no dense query moments")
+    if cfg.weighting == "qpca" and cap.q_post_sums is None:
+        raise ValueError("config asks for the post-RoPE key map but the capture has no post-RoPE query moments")
     L, H, d = fp.num_layers, fp.num_kv_heads, fp.head_dim
     gk, gv = cfg.group_size_k, cfg.group_size_v
     Gk, Gv = d // gk, d // gv
+    def layer_keys(l: int, n: int | None = None) -> torch.Tensor:
+        return quantizer_keys(cap.keys[l, :n], cfg, prep.inv_freq, prep.attention_scaling, W)
+
     with _stage(times, "weights", log):
-        k_mix = k_unmix = None
+        k_mix = k_unmix = k_mean = None
         if cfg.weighting == "diag":
             w = weights.diag_weights(cap.q_diag_sums, cap.q_pair_count, cfg.weight_floor)
         else:
             w = torch.ones(L, H, d)
         if cfg.weighting == "dense":
             k_mix, k_unmix = weights.dense_mix(cap.q_dense_sums, cap.q_dense_count, cfg.weight_floor)
+        if cfg.weighting == "qpca":
+            maps = [weights.qpca_map(layer_keys(l), cap.q_post_sums[l], cap.q_post_count, cfg.weight_floor)
+                    for l in range(L)]
+            k_mix, k_unmix, k_mean = (torch.stack(t) for t in zip(*maps))
     ident = torch.arange(d).expand(L, H, d).clone()
     cb = codec.Codebooks(cfg, torch.zeros(L, H, Gk, cfg.codebook_size_k, gk), w, ident,
                          torch.zeros(L, H, Gv, cfg.codebook_size_v, gv), prep.inv_freq, prep.attention_scaling,
-                         k_mix, k_unmix)
+                         k_mix, k_unmix, k_mean)
     with _stage(times, "scale+covariance", log):
         sig = torch.empty(L, H, d, d, dtype=torch.float64)
         for l in range(L):
-            sig[l] = grouping.covariance(_tailor_all(cap.keys[l], cb, l)[0])
+            sig[l] = grouping.covariance(_tailor_all(layer_keys(l), cb, l)[0])
     with _stage(times, "grouping", log):
         cb.k_perm = grouping.grouping(sig, gk, cfg.grouping)
         contiguous = grouping.grouping(sig[:1, :1], gk, "contiguous")[0, 0]
@@ -176,17 +187,18 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
         v_cb = torch.empty(L, H, Gv, cfg.codebook_size_v, gv)
         km_stats = []
         for l in tqdm(range(L), desc="k-means", unit="layer", disable=not progress):
-            rk = _fit(*_key_points(cap, cb, l, gen), cfg, cfg.codebook_size_k, cfg.seed + l, dev)
+            rk = _fit(*_key_points(cap, cb, l, gen, layer_keys(l, _pool_size(cap, cfg))), cfg,
+                      cfg.codebook_size_k, cfg.seed + l, dev)
             rv = _fit(*_value_points(cap, cfg, l, gen), cfg, cfg.codebook_size_v, cfg.seed + 1000 + l, dev)
             k_tail[l] = rk.centroids.cpu().view(H, Gk, cfg.codebook_size_k, gk)
             v_cb[l] = rv.centroids.cpu().view(H, Gv, cfg.codebook_size_v, gv)
             km_stats += [rk, rv]
     with _stage(times, "fold", log):
-        cb.k_codebook = k_tail if cfg.weighting == "dense" else fold.fold_key_codebooks(k_tail, w, cb.k_perm)
+        cb.k_codebook = k_tail if cfg.mixes_keys else fold.fold_key_codebooks(k_tail, w, cb.k_perm)
         cb.v_codebook = v_cb
     with _stage(times, "evaluate", log):
-        errs = [evaluate.layer_errors(cb, l, ev.keys[l], ev.values[l], ev.queries[l], W, seed=cfg.seed)
-                for l in range(L)]
+        errs = [evaluate.layer_errors(cb, l, ev.keys[l], ev.values[l], ev.queries[l], W, seed=cfg.seed,
+                                      attention_scaling=prep.attention_scaling) for l in range(L)]
         errors = {k: sum(e[k] for e in errs) / L for k in errs[0]}
         errors["group_cost"] = cost
         errors["per_layer"] = errs
@@ -222,8 +234,20 @@ def _subset(x: torch.Tensor, wts, n: int, gen: torch.Generator):
     return x[:, idx], None if wts is None else wts[:, idx]
 
 
-def _key_points(cap, cb: codec.Codebooks, l: int, gen):
+def quantizer_keys(keys: torch.Tensor, cfg: TaSQConfig, inv_freq: torch.Tensor, attention_scaling: float,
+                   window: int) -> torch.Tensor:
+    """Captured pre-RoPE keys [N, H, d] (rows of consecutive ``window``-token windows) -> the
+    keys the quantizer codes, float32: as captured, or (key_rope 'post') rotated by RoPE at their
+    position in the window, as the model caches them."""
+    if cfg.key_rope == "pre":
+        return keys.float()
+    pos = torch.arange(keys.shape[0]) % window
+    return apply_rope(keys.float(), pos, inv_freq, attention_scaling)
+
+
+def _key_points(cap, cb: codec.Codebooks, l: int, gen, keys: torch.Tensor | None = None):
     """Tailored key points of layer l [H*Gk, N, g] and their Fisher weights [H*Gk, N] (or None).
+    ``keys`` [N_pool, H, d]: the layer's keys in the quantizer's space (default: as captured).
 
     The Fisher is taken in the tailored space (paper sec. 4.4): with k = s_p W^(-1/2) k~,
     F~_i = (dL/dk_i)^2 * s_p^2 / w_i^2, summed over the group's channels."""
@@ -231,7 +255,8 @@ def _key_points(cap, cb: codec.Codebooks, l: int, gen):
     H, d = cb.num_kv_heads, cb.head_dim
     g = cfg.group_size_k
     n_pool = _pool_size(cap, cfg)
-    xt, scale = _tailor_all(cap.keys[l, :n_pool], cb, l)  # native order, tailored [N, H, d]
+    keys = cap.keys[l, :n_pool] if keys is None else keys
+    xt, scale = _tailor_all(keys, cb, l)  # native order, tailored [N, H, d]
     perm = cb.k_perm[l]
     x = torch.gather(xt, 2, perm.expand(n_pool, H, d)).view(n_pool, H * d // g, g).transpose(0, 1)
     wts = None

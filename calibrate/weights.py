@@ -106,3 +106,31 @@ def dense_mix(moments: torch.Tensor, count: float, floor: float):
     mix = evecs @ torch.diag_embed(evals.sqrt()) @ evecs.transpose(-1, -2)
     unmix = evecs @ torch.diag_embed(evals.rsqrt()) @ evecs.transpose(-1, -2)
     return mix.float(), unmix.float()
+
+
+def qpca_map(keys: torch.Tensor, q_sums: torch.Tensor, q_count: int, floor: float):
+    """NovaKV's key map for one layer, fitted on post-RoPE keys.
+
+    The logit error of a key error e is ``q . e``; its mean square over the queries is
+    ``e^T S e`` with S the post-RoPE query second moment. With F = S^(1/2) (eigenvalues
+    floored at ``floor`` times their mean) the map r = U^T F (k - m) makes plain squared error
+    in r equal that logit error; U, the eigenvectors of the covariance of F (k - m) sorted by
+    decreasing variance, decorrelates the coefficients (a KLT), so coefficient i is the i-th
+    most energetic. keys [N, H, d] post-RoPE, q_sums [H, d, d] -> (mix [H, d, d] = U^T F,
+    unmix [H, d, d] = F^-1 U, mean [H, d]) float32, S scaled to mean eigenvalue 1.
+    """
+    k = keys.double()
+    mean = k.mean(0)  # [H, d]
+    s = q_sums.double() / q_count
+    s = s / torch.diagonal(s, dim1=-2, dim2=-1).mean(-1)[..., None, None]
+    ev, V = torch.linalg.eigh(s)
+    ev = ev.clamp_min(floor * ev.mean(-1, keepdim=True))
+    F = V @ torch.diag_embed(ev.sqrt()) @ V.transpose(-1, -2)
+    F_inv = V @ torch.diag_embed(ev.rsqrt()) @ V.transpose(-1, -2)
+    y = torch.einsum("hij,nhj->nhi", F, k - mean)
+    cov = torch.einsum("nhi,nhj->hij", y, y) / y.shape[0]
+    _, U = torch.linalg.eigh(cov)  # ascending
+    U = U.flip(-1)  # decreasing variance
+    mix = U.transpose(-1, -2) @ F
+    unmix = F_inv @ U
+    return mix.float(), unmix.float(), mean.float()

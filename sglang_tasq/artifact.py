@@ -102,6 +102,8 @@ def save_artifact(out_dir, cb: Codebooks, model: ModelFingerprint, calibration: 
     if cb.k_mix is not None:
         tensors["k.mix"] = cb.k_mix.float().contiguous()
         tensors["k.unmix"] = cb.k_unmix.float().contiguous()
+    if cb.k_mean is not None:
+        tensors["k.mean"] = cb.k_mean.float().contiguous()
     tpath = out / TENSORS_NAME
     tmp = tpath.with_suffix(".tmp")
     save_file(tensors, str(tmp))
@@ -207,9 +209,11 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
         "v.codebook": (L, H, Gv, cfg.codebook_size_v, cfg.group_size_v),
         "rope.inv_freq": (d // 2,),
     }
-    if cfg.weighting == "dense":
+    if cfg.mixes_keys:
         expect["k.mix"] = (L, H, d, d)
         expect["k.unmix"] = (L, H, d, d)
+    if cfg.weighting == "qpca":
+        expect["k.mean"] = (L, H, d)
     for name, shape in expect.items():
         _require(name in t, f"tensor {name}: missing from {tpath.name}")
         _check_shape(name, t[name], shape)
@@ -228,20 +232,28 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
     cb = Codebooks(config=cfg, k_codebook=t["k.codebook"], k_weight=w, k_perm=perm,
                    v_codebook=t["v.codebook"], inv_freq=inv_freq,
                    attention_scaling=float(manifest.get("attention_scaling", 1.0)),
-                   k_mix=t.get("k.mix"), k_unmix=t.get("k.unmix"))
+                   k_mix=t.get("k.mix"), k_unmix=t.get("k.unmix"),
+                   k_mean=t.get("k.mean") if cfg.weighting == "qpca" else None)
     return Artifact(manifest=manifest, codebooks=cb, path=p)
 
 
 def check_permutation(perm: torch.Tensor, g: int, grouping: str = "covariance") -> None:
     """perm [L, H, d]: a permutation per head whose groups hold whole RoPE pairs in the
     canonical in-group layout (channel l < g/2 pairs with l + g/2); for grouping 'channels'
-    (CQ's native channel groups) the identity."""
+    (CQ's native channel groups) the identity; for 'stratified' (NovaKV) the fixed map
+    permuted channel ``j*g + i`` <- coefficient ``i*G + j``."""
     L, H, d = perm.shape
     half = d // 2
     sorted_ = torch.sort(perm, dim=-1).values
     _require(bool((sorted_ == torch.arange(d)).all()), "tensor k.perm: not a permutation of the head's channels")
     if grouping == "channels":
         _require(bool((perm == torch.arange(d)).all()), "tensor k.perm: grouping 'channels' needs the identity permutation")
+        return
+    if grouping == "stratified":
+        from .codec import stratified_permutation
+
+        _require(bool((perm == stratified_permutation(d, g)).all()),
+                 "tensor k.perm: grouping 'stratified' needs coefficient i*G + j at permuted channel j*g + i")
         return
     grp = perm.view(L, H, d // g, g)
     first, second = grp[..., : g // 2], grp[..., g // 2 :]

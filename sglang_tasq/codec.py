@@ -8,6 +8,11 @@ coded by the nearest codeword of the group's codebook. Decode is folded (paper s
 ``k_perm = s * C~[z]`` already in native units and permuted order, and RoPE can be applied
 there because every group holds whole pairs. Values: plain contiguous groups, no scale.
 
+NovaKV's keys (``config.key_rope == 'post'``) use the same functions on *post-RoPE* keys:
+``x = P M (k - m) / s`` with M the dense query-whitened KLT map (``k_mix``), m the keys' mean
+(``k_mean``), s a per-(token, head) scale and P the stratified grouping; decode un-permutes,
+applies ``M^{-1}`` and adds m back, and no RoPE follows.
+
 Inside every key group the layout is rotate-half with half ``g/2``: permuted channel
 ``j*g + l`` (``l < g/2``) pairs with ``j*g + l + g/2`` and turns at ``inv_freq[perm[j*g+l]]``.
 
@@ -35,6 +40,7 @@ class Codebooks:
     inv_freq:   [d/2] f32 RoPE frequencies of the model
     k_mix:      [L, H, d, d] f32 or None: dense weighting M (ablation); then k_codebook holds
                 tailored codewords and decode applies M^{-1} (k_unmix) after un-permuting.
+    k_mean:     [L, H, d] f32 or None: subtracted before M (NovaKV's centring), added back at decode.
     """
 
     config: TaSQConfig
@@ -46,6 +52,7 @@ class Codebooks:
     attention_scaling: float = 1.0
     k_mix: Optional[torch.Tensor] = None
     k_unmix: Optional[torch.Tensor] = None
+    k_mean: Optional[torch.Tensor] = None
 
     @property
     def num_layers(self) -> int:
@@ -75,7 +82,10 @@ class Codebooks:
     def pairs_in_groups(self) -> bool:
         """Every key group holds whole RoPE pairs in the canonical in-group layout (permuted
         channel j*g + l pairs with j*g + l + g/2): what RoPE in the permuted space, and so the
-        serving kernels, need. False for CQ's native-channel groups."""
+        serving kernels, need. False for CQ's native-channel groups, and for post-RoPE keys
+        (NovaKV), whose coded coordinates are KLT coefficients, not RoPE pairs."""
+        if self.config.key_rope != "pre":
+            return False
         L, H, d = self.k_perm.shape
         g = self.config.group_size_k
         p = self.k_perm.view(L, H, d // g, g)
@@ -96,6 +106,13 @@ def contiguous_pair_permutation(d: int, g: int) -> torch.Tensor:
     half, m = d // 2, g // 2
     pairs = torch.arange(half).view(-1, m)
     return torch.cat([pairs, pairs + half], dim=1).reshape(-1)
+
+
+def stratified_permutation(d: int, g: int) -> torch.Tensor:
+    """[d]: NovaKV's stratified groups: permuted channel j*g + i holds coefficient i*G + j
+    (G = d/g), so with coefficients sorted by variance every group spans the spectrum."""
+    G = d // g
+    return (torch.arange(g).view(1, g) * G + torch.arange(G).view(G, 1)).reshape(-1)
 
 
 # ---- nearest codeword ---------------------------------------------------------------------
@@ -178,10 +195,13 @@ def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096,
 
 # ---- keys ---------------------------------------------------------------------------------
 def key_tailor(k: torch.Tensor, cb: Codebooks, layer: int):
-    """Pre-RoPE keys [T, H, d] -> (tailored x [T, H, G, g] f32, scale [T] or [T, H] fp16 or None)."""
+    """Pre-RoPE keys [T, H, d] (post-RoPE for key_rope 'post') -> (tailored x [T, H, G, g] f32,
+    scale [T] or [T, H] fp16 or None)."""
     cfg = cb.config
     T, H, d = k.shape
     k = k.float()
+    if cb.k_mean is not None:
+        k = k - cb.k_mean[layer]
     if cb.k_mix is not None:
         kw = torch.einsum("hij,thj->thi", cb.k_mix[layer], k)
     else:
@@ -237,6 +257,8 @@ def decode_keys(codes: torch.Tensor, scale, cb: Codebooks, layer: int) -> torch.
     k = torch.gather(xp, 2, inv)
     if cb.k_unmix is not None:
         k = torch.einsum("hij,thj->thi", cb.k_unmix[layer], k)
+    if cb.k_mean is not None:
+        k = k + cb.k_mean[layer]
     return k
 
 

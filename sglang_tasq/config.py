@@ -12,12 +12,19 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-WEIGHTINGS = ("diag", "dense", "none")
+# "qpca": NovaKV's key map, fitted on post-RoPE keys: whiten by the post-RoPE query second
+# moment, then the KLT of the whitened centred keys (k.mix / k.unmix / k.mean in the artifact)
+WEIGHTINGS = ("diag", "dense", "none", "qpca")
 SCALES = ("shared", "per_head", "none")
 # "contiguous": whole RoPE pairs, group j = pairs j*g/2.. (the no-grouping ablation); "channels":
 # native channels j*g..(j+1)*g-1 (CQ as published), which splits RoPE pairs across groups, so
 # only the plain-torch paths (HF cache, quality harness) decode it, not the serving kernels.
-GROUPINGS = ("covariance", "contiguous", "channels")
+# "stratified" (NovaKV): KLT coefficient of rank r (by variance) goes to group r mod G, so each
+# group spans the whole spectrum; the coefficients are not RoPE pairs (post-RoPE keys only).
+GROUPINGS = ("covariance", "contiguous", "channels", "stratified")
+# "pre": keys are coded before RoPE (TaSQ, CQ); "post": after it, at the positions the keys
+# were calibrated at (NovaKV): the HF cache codes them as cached, the serving kernels refuse them
+KEY_ROPES = ("pre", "post")
 # "tree": the two-level fit of artifacts made before the flat Lloyd (recorded, no longer fitted)
 KMEANS = ("flat", "tree")
 ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "dense_weighting")
@@ -47,6 +54,7 @@ class TaSQConfig:
     scale: str = "shared"  # one fp16 RMS scale per token across KV heads (sec. 4.2)
     grouping: str = "covariance"  # hierarchical matching over RoPE pairs (sec. 4.3)
     fisher: bool = True  # Fisher-weighted k-means (sec. 4.4)
+    key_rope: str = "pre"  # keys coded before RoPE ("pre") or after it ("post": NovaKV)
     kmeans: str = "flat"  # flat weighted Lloyd over all K centroids; see calibrate/kmeans.py
     kmeans_iters: int = 25  # at most this many Lloyd iterations (the paper runs 100) ...
     kmeans_tol: float = 1e-3  # ... stopping earlier when the objective moves by less (relative)
@@ -76,6 +84,17 @@ class TaSQConfig:
             raise ConfigError(f"kmeans={self.kmeans!r}: allowed {KMEANS}")
         if self.grouping not in GROUPINGS:
             raise ConfigError(f"grouping={self.grouping!r}: allowed {GROUPINGS}")
+        if self.key_rope not in KEY_ROPES:
+            raise ConfigError(f"key_rope={self.key_rope!r}: allowed {KEY_ROPES}")
+        post = self.key_rope == "post"
+        if post != (self.weighting == "qpca"):
+            raise ConfigError(f"weighting={self.weighting!r} with key_rope={self.key_rope!r}: the post-RoPE key "
+                              "map is weighting 'qpca', and 'qpca' is fitted on post-RoPE keys only")
+        if (self.grouping == "stratified") != post:
+            raise ConfigError(f"grouping={self.grouping!r} with key_rope={self.key_rope!r}: post-RoPE keys are "
+                              "grouped 'stratified' (KLT coefficients), and only they are")
+        if post and self.fisher:
+            raise ConfigError("fisher=True with key_rope='post': the captured Fisher is of pre-RoPE keys")
         for name in ("kmeans_iters", "calib_tokens", "window_len", "max_kmeans_samples", "fisher_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -84,6 +103,11 @@ class TaSQConfig:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
 
     # ---- derived ---------------------------------------------------------------------
+    @property
+    def mixes_keys(self) -> bool:
+        """Keys go through a dense map (k.mix / k.unmix): codebooks stay in the mapped space."""
+        return self.weighting in ("dense", "qpca")
+
     @property
     def code_bits_k(self) -> int:
         return max(1, math.ceil(math.log2(self.codebook_size_k)))
@@ -122,6 +146,15 @@ class TaSQConfig:
         """CQ on whole-RoPE-pair groups with unweighted k-means: servable (the serving kernels
         need pairs inside groups), and the CQ this project ran before CQ as published."""
         return cls(weighting="none", scale="none", grouping="contiguous", fisher=False, **kw)
+
+    @classmethod
+    def novakv(cls, **kw) -> "TaSQConfig":
+        """NovaKV's keys (Fernandez-Menduina et al., 2026; github.com/Amir-zsh/nova-kv): post-RoPE,
+        centred, query-whitened KLT coefficients in stratified groups, a per-(token, head) scale,
+        plain k-means. Native rate: 4-dim groups, 256 codewords (2 bits a coordinate)."""
+        kw.setdefault("group_size_k", 4)
+        kw.setdefault("codebook_size_k", 256)
+        return cls(weighting="qpca", scale="per_head", grouping="stratified", fisher=False, key_rope="post", **kw)
 
     def ablation(self, name: str) -> "TaSQConfig":
         """This config with one TaSQ component removed (or swapped, for dense weights)."""

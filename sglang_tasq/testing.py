@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .codec import Codebooks, contiguous_pair_permutation
+from .codec import Codebooks, contiguous_pair_permutation, stratified_permutation
 from .config import TaSQConfig
 
 
@@ -40,8 +40,17 @@ def random_codebooks(num_layers: int = 2, num_kv_heads: int = 2, head_dim: int =
         perm = torch.arange(d).expand(L, H, d).clone()
     elif cfg.grouping == "contiguous":
         perm = contiguous_pair_permutation(d, gk).expand(L, H, d).clone()
+    elif cfg.grouping == "stratified":
+        perm = stratified_permutation(d, gk).expand(L, H, d).clone()
     else:
         perm = torch.stack([random_pair_permutation(H, d, gk, gen) for _ in range(L)])
     inv_freq = 1.0 / (rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    mix = unmix = mean = None
+    if cfg.mixes_keys:  # a well-conditioned random map and its inverse
+        w = torch.ones(L, H, d)
+        mix = torch.eye(d) + 0.3 * torch.randn(L, H, d, d, generator=gen) / d ** 0.5
+        unmix = torch.linalg.inv(mix)
+    if cfg.weighting == "qpca":
+        mean = torch.randn(L, H, d, generator=gen)
     return Codebooks(config=cfg, k_codebook=k_cb, k_weight=w, k_perm=perm, v_codebook=v_cb,
-                     inv_freq=inv_freq.float())
+                     inv_freq=inv_freq.float(), k_mix=mix, k_unmix=unmix, k_mean=mean)

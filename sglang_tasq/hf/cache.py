@@ -54,13 +54,13 @@ class _TaSQSide:
 
 class TaSQKeys(_TaSQSide):
     """TaSQ keys (pre-RoPE): payload codes [T, ceil(H*Gk*bits/8)] uint8 and the fp16
-    scale [T] (shared) or [T, H] (per-head ablation). encode == codec.encode_keys, packed."""
-
-    pre_rope = True
+    scale [T] (shared) or [T, H] (per-head ablation). encode == codec.encode_keys, packed.
+    An artifact with ``key_rope == 'post'`` (NovaKV) codes the keys as cached, after RoPE."""
 
     def __init__(self, cb: Codebooks, name: str = "tasq"):
         super().__init__()
         self.cb, self.name, self.nearest = cb, name, _Nearest(cb.tailored_k_codebook)
+        self.pre_rope = cb.config.key_rope == "pre"
         self.inv_freq, self.attention_scaling = cb.inv_freq, cb.attention_scaling
 
     def encode(self, x, layer, state):

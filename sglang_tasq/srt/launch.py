@@ -118,6 +118,9 @@ def validate(sa, path: Optional[str] = None):
         raise TaSQLaunchError("tasq: --model-path is required")
     check_model_config(model_config_dict(model_path))
     art = load_checked_artifact(path, model_path)
+    if art.config.key_rope != "pre":
+        raise TaSQLaunchError(f"tasq: artifact {path} codes keys after RoPE (key_rope '{art.config.key_rope}', the "
+                              "NovaKV baseline); the serving kernels code pre-RoPE keys: serve a --method tasq artifact")
     if not art.codebooks.pairs_in_groups:
         raise TaSQLaunchError(f"tasq: artifact {path} groups keys by contiguous channels (grouping "
                               f"'{art.config.grouping}', the CQ baseline), which splits RoPE pairs across groups; "

@@ -62,6 +62,12 @@ def test_cq_channel_grouped_artifact_is_refused(tmp_path, smollm2_dir, args):
     _assert_refused(args(), cq, "contiguous channels", "splits RoPE pairs", "--method tasq")
 
 
+def test_novakv_post_rope_artifact_is_refused(tmp_path, smollm2_dir, args):
+    nova = make_random_artifact(tmp_path / "nova", smollm2_dir, weighting="qpca", scale="per_head",
+                                grouping="stratified", fisher=False, key_rope="post", group_size_k=4)
+    _assert_refused(args(), nova, "after RoPE", "NovaKV", "--method tasq")
+
+
 def _copy(good, tmp_path):
     d = tmp_path / "art"
     shutil.copytree(good.parent, d)

@@ -11,6 +11,11 @@ Names (``parse``):
   ``tasq_dense_weighting``;
 * error localization on the ``tasq`` artifact: ``tasq_keys_only`` (values stay bf16),
   ``tasq_values_only`` (keys stay bf16);
+* calibration-free: ``nsnquant`` / ``nsnquant2`` (NSNQuant at 1 / 2 bits: one universal codebook
+  fitted on Gaussian samples, :mod:`calibrate.universal`; needs the model's RoPE frequencies);
+* post-RoPE: ``novakv`` (NovaKV's published rate: keys 4-dim groups x 256 codewords, values
+  rotated INT2) and ``novakv1`` (at TaSQ's rate: keys 8 x 1024, values TaSQ's VQ), each
+  from its own ``--method novakv`` artifact (``novakv_g4k256``, ``novakv_g8k1024``);
 * rate points: ``cq@g4k256``, ``tasq@g8k16``, ... (group size g, codebook size K, both
   sides); ``@g8k1024`` is the reference rate and reuses the plain ``cq``/``tasq`` artifact.
 
@@ -32,7 +37,11 @@ from sglang_tasq.config import ABLATIONS
 
 REF_G, REF_K = 8, 1024
 ABLATION_METHODS = tuple(f"tasq_{a}" for a in ABLATIONS)
-METHODS = (*BASELINES, "cq", "cq_pairs", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only")
+NSN_METHODS = {"nsnquant": 1, "nsnquant2": 2}
+# key group, key codebook, value bits (None: the artifact's VQ values, TaSQ's value path)
+NOVA_METHODS = {"novakv": (4, 256, 2), "novakv1": (8, 1024, None)}
+METHODS = (*BASELINES, "cq", "cq_pairs", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only",
+           *NSN_METHODS, *NOVA_METHODS)
 _RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)$")
 
 
@@ -41,8 +50,8 @@ class MethodSpec:
     """One row of the comparison. ``calib`` is None for closed-form methods."""
 
     name: str
-    closed_form: Optional[str] = None  # a baselines.BASELINES name
-    calib: Optional[str] = None  # "tasq" | "cq" | "cq_pairs"
+    closed_form: Optional[str] = None  # a baselines.BASELINES name, or an NSN_METHODS one
+    calib: Optional[str] = None  # "tasq" | "cq" | "cq_pairs" | "novakv"
     ablation: Optional[str] = None
     group_size: int = REF_G
     codebook_size: int = REF_K
@@ -54,7 +63,7 @@ class MethodSpec:
         if self.calib is None:
             return None
         base = self.calib + (f"_{self.ablation}" if self.ablation else "")
-        rate = (self.group_size, self.codebook_size) != (REF_G, REF_K)
+        rate = (self.group_size, self.codebook_size) != (REF_G, REF_K) or self.calib == "novakv"
         return base + (f"_g{self.group_size}k{self.codebook_size}" if rate else "")
 
     def calibrate_argv(self, model: str, preset: str, out: Path) -> list[str]:
@@ -62,7 +71,7 @@ class MethodSpec:
                 "--method", self.calib, "--quiet"]
         if self.ablation:
             argv += ["--ablation", self.ablation]
-        if (self.group_size, self.codebook_size) != (REF_G, REF_K):
+        if (self.group_size, self.codebook_size) != (REF_G, REF_K) or self.calib == "novakv":
             argv += ["--group-size", str(self.group_size), "--codebook-size", str(self.codebook_size)]
         return argv
 
@@ -70,18 +79,22 @@ class MethodSpec:
         """Manifest config fields an artifact for this spec must have."""
         from sglang_tasq.config import TaSQConfig
 
-        cfg = {"cq": TaSQConfig.cq(), "cq_pairs": TaSQConfig.cq_pairs()}.get(self.calib, TaSQConfig())
+        cfg = {"cq": TaSQConfig.cq(), "cq_pairs": TaSQConfig.cq_pairs(),
+               "novakv": TaSQConfig.novakv()}.get(self.calib, TaSQConfig())
         if self.ablation:
             cfg = cfg.ablation(self.ablation)
-        want = {k: getattr(cfg, k) for k in ("weighting", "scale", "grouping", "fisher")}
+        want = {k: getattr(cfg, k) for k in ("weighting", "scale", "grouping", "fisher", "key_rope")}
         return {**want, "group_size_k": self.group_size, "codebook_size_k": self.codebook_size,
                 "group_size_v": self.group_size, "codebook_size_v": self.codebook_size}
 
 
 def parse(name: str) -> MethodSpec:
     """A method name -> its spec; unknown names raise ValueError listing the allowed ones."""
-    if name in BASELINES:
+    if name in BASELINES or name in NSN_METHODS:
         return MethodSpec(name, closed_form=name)
+    if name in NOVA_METHODS:
+        g, k, _ = NOVA_METHODS[name]
+        return MethodSpec(name, calib="novakv", group_size=g, codebook_size=k)
     if name in ("cq", "cq_pairs", "tasq"):
         return MethodSpec(name, calib=name)
     if name in ABLATION_METHODS:
@@ -128,15 +141,26 @@ def ensure_artifact(spec: MethodSpec, model: str, preset: str, root: Path, overr
         res = subprocess.run(argv, capture_output=True, text=True)
         if res.returncode != 0 or not manifest.is_file():
             raise RuntimeError(f"calibration of {spec.artifact_name} failed (rc {res.returncode}): {res.stderr[-2000:]}")
-    got = json.loads(manifest.read_text())["config"]
+    from sglang_tasq.config import TaSQConfig
+
+    got = {**TaSQConfig().to_dict(), **json.loads(manifest.read_text())["config"]}  # fields older artifacts lack
     bad = {k: (v, got.get(k)) for k, v in spec.expected_config().items() if got.get(k) != v}
     if bad:
         raise ValueError(f"artifact {manifest} does not fit method {spec.name}: (want, has) {bad}")
     return out
 
 
-def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None) -> KVMethod:
-    """The KVMethod the caches run for this spec (``artifact`` required for calibrated ones)."""
+def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None, rope=None) -> KVMethod:
+    """The KVMethod the caches run for this spec (``artifact`` required for calibrated ones;
+    ``rope`` = (inv_freq, attention_scaling) of the model for NSNQuant's keys)."""
+    if spec.closed_form in NSN_METHODS:
+        if rope is None:
+            raise ValueError(f"method {spec.name} needs the model's RoPE frequencies (rope=)")
+        from calibrate.universal import gaussian_codebook
+        from sglang_tasq.hf.nsnquant import nsnquant
+
+        bits = NSN_METHODS[spec.closed_form]
+        return nsnquant(gaussian_codebook(orthant=bits == 2), rope[0], rope[1], bits)
     if spec.closed_form:
         return baseline(spec.closed_form)
     if artifact is None:
@@ -145,6 +169,10 @@ def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None) -
     from sglang_tasq.hf.cache import TaSQKeys, TaSQValues
 
     cb = load_artifact(artifact, model=fingerprint).codebooks
+    if spec.calib == "novakv":
+        from sglang_tasq.hf.novakv import novakv
+
+        return novakv(cb, NOVA_METHODS[spec.name][2], spec.name)
     return KVMethod(TaSQKeys(cb) if spec.keys else Identity(), TaSQValues(cb) if spec.values else Identity(), spec.name)
 
 

@@ -113,7 +113,7 @@ class Context:
 
 
 def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=None) -> Context:
-    from sglang_tasq.models import fingerprint, load_config, resolve_model
+    from sglang_tasq.models import fingerprint, load_config, resolve_model, rope_inv_freq
 
     if model is None:
         model, tok = perplexity.load_model(cfg.model)
@@ -130,7 +130,7 @@ def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=
     for name in dict.fromkeys([*cfg.methods, *sweep_names]):
         spec = M.parse(name)
         art = M.ensure_artifact(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, log)
-        built[name] = M.build(spec, art, fp)
+        built[name] = M.build(spec, art, fp, rope=rope_inv_freq(model))
         bits[name] = M.bits(built[name], H, d)
         if art is not None:
             ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]

@@ -164,3 +164,43 @@ def test_artifact_without_mean_is_refused(tmp_path):
     path = save_artifact(tmp_path / "nova", cb, FP, {"corpus": "test", "tokens": 0, "seed": 0, "wall_time_s": 0.0})
     with pytest.raises(ArtifactError, match="k.mean"):
         load_artifact(path)
+
+
+def test_rotated_scalar_values_bits_and_error():
+    from sglang_tasq.hf.novakv import RotatedScalarValues
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, 64, generator=gen) * torch.linspace(0.1, 3, 64) + 0.5
+    errs = []
+    for bits in (1, 2, 4, 8):
+        q = RotatedScalarValues(bits)
+        p = q.encode(x, 0, {})
+        stored = sum(t.nbytes for t in p.values()) * 8
+        assert stored == pytest.approx(q.bits_per_element(3, 64) * x.numel())
+        xh = q.decode(p, 0, {})
+        errs.append(float(((x - xh) ** 2).sum() / (x ** 2).sum()))
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 5e-3  # at 8 bits only the 0.92 clip is left
+    assert errs[0] > 1  # 1-bit min/max codes land on the clipped extremes: why novakv1 keeps VQ values
+    assert RotatedScalarValues(2).bits_per_element(3, 64) == 2.5  # fp16 step + minimum per 64 channels
+
+
+def test_bench_methods_name_their_artifacts():
+    from bench import methods as M
+
+    nova, nova1 = M.parse("novakv"), M.parse("novakv1")
+    assert (nova.artifact_name, nova1.artifact_name) == ("novakv_g4k256", "novakv_g8k1024")
+    argv = nova.calibrate_argv("smollm2-135m", "default", "out")
+    assert argv[argv.index("--method") + 1] == "novakv" and argv[argv.index("--group-size") + 1] == "4"
+    assert nova.expected_config()["key_rope"] == "post" and M.parse("tasq").expected_config()["key_rope"] == "pre"
+    assert M.parse("nsnquant").closed_form == "nsnquant" and M.parse("nsnquant2").artifact_name is None
+    with pytest.raises(ValueError, match="RoPE"):
+        M.build(M.parse("nsnquant"))
+    cfg = TaSQConfig.novakv(codebook_size_k=64, codebook_size_v=64)
+    from sglang_tasq.hf.novakv import novakv
+
+    m = novakv(random_codebooks(2, 2, 16, cfg), 2, "novakv")
+    assert m.keys.pre_rope is False and m.bits(2, 16) == pytest.approx((6 / 4 + 1, 2 + 2))
+    m1 = novakv(random_codebooks(2, 2, 16, cfg), None, "novakv1")  # the artifact's VQ values
+    assert m1.bits(2, 16)[1] == pytest.approx(6 / 8)
+    with pytest.raises(ValueError, match="before RoPE"):
+        novakv(random_codebooks(2, 2, 16))

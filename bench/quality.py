@@ -57,11 +57,12 @@ class QualityConfig:
     niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
     niah_view: str = "decode"  # "decode": HF model under the window rule; "server": real SGLang servers
-    niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
+    niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only",
+                           "nsnquant", "novakv", "novakv1")
     pos_len: int = 8192
     pos_windows: int = 2
     pos_stride: int = 16
-    pos_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq")
+    pos_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "nsnquant", "novakv", "novakv1")
     sweep_methods: tuple = ("cq", "tasq")
     sweep_points: tuple = rate_sweep.DEFAULT_POINTS
     sweep_windows: int = 8
@@ -130,7 +131,8 @@ def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=
     for name in dict.fromkeys([*cfg.methods, *sweep_names]):
         spec = M.parse(name)
         art = M.ensure_artifact(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, log)
-        built[name] = M.build(spec, art, fp, rope=rope_inv_freq(model))
+        rope = rope_inv_freq(model) if spec.closed_form in M.NSN_METHODS else None  # NSNQuant's keys
+        built[name] = M.build(spec, art, fp, rope=rope)
         bits[name] = M.bits(built[name], H, d)
         if art is not None:
             ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]

@@ -57,12 +57,11 @@ class QualityConfig:
     niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
     niah_view: str = "decode"  # "decode": HF model under the window rule; "server": real SGLang servers
-    niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only",
-                           "nsnquant", "novakv", "novakv1")
+    niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
     pos_len: int = 8192
     pos_windows: int = 2
     pos_stride: int = 16
-    pos_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "nsnquant", "novakv", "novakv1")
+    pos_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq")
     sweep_methods: tuple = ("cq", "tasq")
     sweep_points: tuple = rate_sweep.DEFAULT_POINTS
     sweep_windows: int = 8

@@ -204,3 +204,30 @@ def test_bench_methods_name_their_artifacts():
     assert m1.bits(2, 16)[1] == pytest.approx(6 / 8)
     with pytest.raises(ValueError, match="before RoPE"):
         novakv(random_codebooks(2, 2, 16))
+
+
+def test_hf_cache_codes_the_post_rope_keys_it_is_given():
+    """Inside a real (tiny, random-weight) Llama, the cache hands NovaKV's keys over as the model
+    rotated them and reads back exactly codec's decode of those post-RoPE keys (no un-rotation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sglang_tasq.hf.cache import QuantizedKVCache
+    from sglang_tasq.hf.novakv import novakv
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    cb = random_codebooks(2, 2, 16, TaSQConfig.novakv(codebook_size_k=64, codebook_size_v=64),
+                          rope_theta=cfg.rope_theta if hasattr(cfg, "rope_theta") else 10000.0)
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(0))
+    exact = QuantizedKVCache(novakv(cb, None), sink=0, recent=10**6)  # everything exact: the model's own keys
+    coded = QuantizedKVCache(novakv(cb, None), sink=0, recent=0, fresh_exact=False)
+    with torch.no_grad():
+        model(ids, past_key_values=exact)
+        out = model(ids, past_key_values=coded).logits
+    assert torch.isfinite(out).all()
+    k_post = exact.layers[0].keys[0].transpose(0, 1).float()  # [T, H, d] as HF cached them
+    want = codec.decode_keys(*codec.encode_keys(k_post, cb, 0), cb, 0)
+    got = coded.layers[0].keys[0].transpose(0, 1).float()
+    torch.testing.assert_close(got, want.to(got.dtype).float(), atol=0.05, rtol=0.02)

@@ -9,7 +9,8 @@ perplexity (+ next-token KL, top-1, per-layer attention error), RULER NIAH, erro
 position beyond the calibration length, and a CQ/TaSQ rate sweep. Results go to
 ``bench/results/quality/<config name>/``: ``config.json``, ``items/`` (one JSON per finished
 unit of work, skipped when present), ``work/`` (bf16 reference log-probs, not committed),
-``metrics.json`` (with ``separates``: :mod:`bench.separation`'s verdicts), ``summary.json``
+``metrics.json`` (with ``separates``: :mod:`bench.separation`'s verdicts, and ``paired_vs_tasq``:
+every method's per-window difference from TaSQ with its paired interval), ``summary.json``
 (rows; NIAH per length and task as mean, 95% bootstrap interval and n in ``niah_ci``) /
 ``summary.md``, PNG plots. The headline copy is
 ``bench/results/quality/summary.json`` (+ ``summary.md``); a quick run does not replace a
@@ -166,6 +167,7 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     rows = report.summary_rows(cfg.methods, ctx.bits, ppl, nia)
     tg = report.targets(rows)
     sep = separation.verdicts(ppl.get("wiki", {}), sweep, rows)
+    paired = separation.against(ppl.get("wiki", {}))
     import platform
 
     import torch
@@ -185,12 +187,13 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     plain_ruler = {m: {s: {k: {kk: vv for kk, vv in r.items() if kk != "preds"} for k, r in by_l.items()}
                        for s, by_l in by_s.items()} for m, by_s in nia.items()}
     metrics = {"config": dataclasses.asdict(cfg), "env": env, "summary": rows, "targets": tg, "separates": sep,
+               "paired_vs_tasq": paired,
                "perplexity": ppl, "ruler": plain_ruler, "positions": pos, "rate_sweep": sweep,
                "wall_s": round(time.time() - t0, 1)}
     bf = next((r["ppl_wiki"] for r in rows if r["method"] == "bf16"), None)
     metrics["plots"] = report.plots(run_dir, ppl, plain_ruler, pos, sweep, bf)
     report.write_json(run_dir / "metrics.json", metrics)
-    md = report.markdown(rows, tg, plain_ruler, sweep, header, sep)
+    md = report.markdown(rows, tg, plain_ruler, sweep, header, sep, paired)
     report.write_json(run_dir / "summary.json", rows)
     (run_dir / "summary.md").write_text(md)
     _headline(cfg, run_dir, rows, md)

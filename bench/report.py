@@ -144,7 +144,8 @@ def niah_table(rows: list) -> list:
     return lines
 
 
-def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str, separates: list = ()) -> str:
+def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str, separates: list = (),
+             paired: list = ()) -> str:
     lengths = sorted({k for r in rows for k in r["niah"]}, key=int)
     cols = ["method", "windows", "bits K", "bits V", "PPL wiki", "PPL code", "logit NMSE", "attn KL",
             "token KL", "top-1", *[f"NIAH {k}" for k in lengths]]
@@ -159,6 +160,7 @@ def markdown(rows: list, tgts: list, ruler: dict, sweep: list, header: str, sepa
     lines += ["", "## Targets", ""] + [f"- {t['target']}: **{verdict[t['met']]}**"
                                        + (f" ({t['value']})" if t["value"] else "") for t in tgts]
     lines += separation.markdown(separates)
+    lines += separation.against_markdown(list(paired))
     if any(r.get("niah_ci") for r in rows):
         lines += niah_table(rows)
     if any(r.get("view") == "server" for m in ruler.values() for s in m.values() for r in s.values()):

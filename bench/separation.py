@@ -97,3 +97,49 @@ def markdown(verdicts: list) -> list:
         return lines + [f"Not judged: {A} and {B} are not both in this run."]
     return lines + [f"- {v['metric']} (windows {v['windows']}): **{WORDS[v['separates']]}** ({v['value']})"
                     for v in verdicts]
+
+
+REF = "tasq"
+
+
+def against(wiki: dict, ref: str = REF, settings=("none", "64+256")) -> list:
+    """Every other method of the main comparison paired with ``ref`` window by window: per
+    setting and per-window metric, the 95% paired-bootstrap interval of the mean difference
+    method - ref (log-PPL for PPL). Rows: {method, windows, metrics: {label: Interval dict}}; a
+    metric is left out where either item lacks per-window values or the windows differ."""
+    out = []
+    for method in wiki:
+        if method == ref:
+            continue
+        for s in settings:
+            a, b = wiki.get(ref, {}).get(s), wiki[method].get(s)
+            if a is None or b is None:
+                continue
+            got = {}
+            for label, _, key in PER_WINDOW:
+                va, vb = ((x.get("per_window") or {}).get(key) for x in (a, b))
+                if va is None or vb is None or len(va) != len(vb) or len(va) < MIN_WINDOWS:
+                    continue
+                got[label] = asdict(stats.paired_interval(va, vb))
+            if got:
+                out.append({"method": method, "windows": s, "metrics": got})
+    return out
+
+
+def against_markdown(rows: list, ref: str = REF) -> list:
+    """Markdown table of :func:`against` (empty when there is nothing to pair)."""
+    if not rows:
+        return []
+    labels = [label for label, _, _ in PER_WINDOW]
+    lines = ["", f"## Paired against {ref} (method - {ref}, per held-out window)", "",
+             f"Mean difference [95% paired-bootstrap interval] over the same windows ({stats.RESAMPLES:,} resamples, "
+             f"seed {stats.SEED}); PPL as log-PPL (nats/token). Negative: the method is closer to bf16 than {ref}.", "",
+             "| method | windows | " + " | ".join(f"{x} diff" for x in labels) + " |", "|" + "---|" * (2 + len(labels))]
+    for r in rows:
+        cells = [_diff(r["metrics"][x]) if x in r["metrics"] else "-" for x in labels]
+        lines.append(f"| {r['method']} | {r['windows']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _diff(c: dict) -> str:
+    return f"{c['mean']:+.3g} [{c['lo']:+.3g}, {c['hi']:+.3g}]"

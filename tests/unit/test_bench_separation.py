@@ -115,3 +115,20 @@ def test_ppl_len_option(smollm2_dir, tmp_path):
     with pytest.raises(ValueError, match="ppl_len 8193: model smollm2-135m has 8192 positions"):
         Q.build_context(Q.parse_args(["--benches", "perplexity", "--ppl-len", "8193", "--methods", "bf16"])[0],
                         tmp_path, model=smol)
+
+
+def test_every_method_is_paired_against_tasq():
+    from bench import separation
+
+    def item(vals):
+        return {"ppl": 1.0, "per_window": {"nll": vals, "logit_nmse": vals, "attn_kl": vals, "token_kl": vals}}
+
+    wiki = {"tasq": {"none": item([1.0, 2.0, 3.0])}, "cq": {"none": item([1.5, 2.5, 3.5]), "64+256": item([1.0, 2.0])},
+            "old": {"none": {"ppl": 2.0}}}
+    rows = separation.against(wiki)
+    assert [(r["method"], r["windows"]) for r in rows] == [("cq", "none")]  # no tasq at 64+256; no per-window values
+    d = rows[0]["metrics"]["PPL wiki"]
+    assert (d["mean"], d["lo"], d["hi"]) == pytest.approx((0.5, 0.5, 0.5))  # method - tasq
+    md = "\n".join(separation.against_markdown(rows))
+    assert "Paired against tasq" in md and "| cq | none | +0.5 [+0.5, +0.5]" in md
+    assert separation.against_markdown([]) == []

@@ -121,6 +121,23 @@ def test_backends_agree():
     assert (a.codes == b.codes).float().mean() > 0.999
 
 
+@pytest.mark.parametrize("g", [2, 4])
+def test_small_groups_run_padded_on_the_numba_backend(g):
+    """g < 8 (NovaKV's 4-dim key groups) is zero-padded into the g == 8 Numba kernels: the same
+    fit as the torch backend, centroids of g channels."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 1500, g) * torch.rand(3, 1, g)
+    w = torch.rand(3, 1500)
+    assert kmeans.resolve_backend("auto", x) == "numba"
+    a = kmeans.kmeans(x, w, K=16, iters=5, seed=3, tol=0, backend="torch")
+    b = kmeans.kmeans(x, w, K=16, iters=5, seed=3, tol=0, backend="numba")
+    assert b.centroids.shape == (3, 16, g)
+    torch.testing.assert_close(a.centroids, b.centroids, rtol=1e-4, atol=1e-5)
+    assert (a.codes == b.codes).float().mean() > 0.999
+    with pytest.raises(ValueError, match="dividing 8"):
+        kmeans.resolve_backend("numba", torch.zeros(1, 4, 16))
+
+
 def test_kmeanspp_seeding_matches_torch_and_never_draws_weightless_points():
     from numba_kernels.cpu.seeding import kmeanspp
 

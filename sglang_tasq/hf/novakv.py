@@ -48,15 +48,16 @@ class RotatedScalarValues:
             raise ValueError(f"value group {self.group} does not divide head_dim={d}")
         return g
 
-    def _rot(self, d: int) -> torch.Tensor:
-        if d not in self._h:
-            self._h[d] = hadamard(d)
-        return self._h[d]
+    def _rot(self, d: int, device) -> torch.Tensor:
+        key = (d, str(device))
+        if key not in self._h:
+            self._h[key] = hadamard(d).to(device)
+        return self._h[key]
 
     def encode(self, x, layer, state):
         T, H, d = x.shape
         g = self._groups(d)
-        y = (x.float() @ self._rot(d)).view(T, H, d // g, g)
+        y = (x.float() @ self._rot(d, x.device)).view(T, H, d // g, g)
         levels = (1 << self.bits) - 1
         lo = (self.clip * y.amin(-1, keepdim=True)).half()
         hi = self.clip * y.amax(-1, keepdim=True)
@@ -72,7 +73,7 @@ class RotatedScalarValues:
         d = payload["codes"].shape[1] * 8 // (self.bits * H)
         codes = unpack_codes(payload["codes"], H * d, self.bits).view(T, H, ng, d // ng).float()
         y = (codes * step[..., None] + low[..., None]).reshape(T, H, d)
-        return y @ self._rot(d).T
+        return y @ self._rot(d, y.device).T
 
     def bits_per_element(self, num_kv_heads, head_dim):
         return self.bits + 32 / self._groups(head_dim)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import codec
 from ..packing import pack_codes, unpack_codes
 from ..rope import apply_rope
 from .baselines import KVMethod, _asym_quant
@@ -139,18 +140,12 @@ def nsn_normalize(x: torch.Tensor, positions: torch.Tensor | None = None, inv_fr
     return NSNParts(s1, s1_hat, x1, mu, mu_hat, x2, s2, x3, **q)
 
 
-def nearest(y: torch.Tensor, codebook: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
+def nearest(y: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Index of the nearest codeword (Euclidean, first index on ties) of each row of
-    ``y [..., g]`` in ``codebook [K, g]`` -> int64 [...]."""
+    ``y [..., g]`` in ``codebook [K, g]`` -> int64 [...]: the reference codec's search with one
+    codebook."""
     g = codebook.shape[1]
-    flat = y.reshape(-1, g).float()
-    cb = codebook.float().to(flat.device)
-    cn = (cb * cb).sum(-1)
-    out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
-    for s in range(0, flat.shape[0], chunk):
-        # |y - c|^2 - |y|^2 = |c|^2 - 2 y.c ; argmin keeps the first minimum
-        out[s:s + chunk] = torch.addmm(cn, flat[s:s + chunk], cb.T, alpha=-2.0).argmin(-1)
-    return out.view(y.shape[:-1])
+    return codec.nearest_codeword(y.reshape(-1, 1, 1, g), codebook[None, None]).view(y.shape[:-1])
 
 
 def vq_encode(y: torch.Tensor, codebook: torch.Tensor, bits: int):

@@ -59,19 +59,24 @@ class MethodSpec:
     values: bool = True
 
     @property
+    def named_rate(self) -> bool:
+        """The rate is part of the artifact's name and calibration flags (NovaKV's always is:
+        its default key rate is not the reference one)."""
+        return (self.group_size, self.codebook_size) != (REF_G, REF_K) or self.calib == "novakv"
+
+    @property
     def artifact_name(self) -> Optional[str]:
         if self.calib is None:
             return None
         base = self.calib + (f"_{self.ablation}" if self.ablation else "")
-        rate = (self.group_size, self.codebook_size) != (REF_G, REF_K) or self.calib == "novakv"
-        return base + (f"_g{self.group_size}k{self.codebook_size}" if rate else "")
+        return base + (f"_g{self.group_size}k{self.codebook_size}" if self.named_rate else "")
 
     def calibrate_argv(self, model: str, preset: str, out: Path) -> list[str]:
         argv = [sys.executable, "-m", "calibrate", "--model", model, "--out", str(out), "--preset", preset,
                 "--method", self.calib, "--quiet"]
         if self.ablation:
             argv += ["--ablation", self.ablation]
-        if (self.group_size, self.codebook_size) != (REF_G, REF_K) or self.calib == "novakv":
+        if self.named_rate:
             argv += ["--group-size", str(self.group_size), "--codebook-size", str(self.codebook_size)]
         return argv
 

@@ -154,6 +154,7 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
     L, H, d = fp.num_layers, fp.num_kv_heads, fp.head_dim
     gk, gv = cfg.group_size_k, cfg.group_size_v
     Gk, Gv = d // gk, d // gv
+
     def layer_keys(l: int, n: int | None = None) -> torch.Tensor:
         return quantizer_keys(cap.keys[l, :n], cfg, prep.inv_freq, prep.attention_scaling, W)
 

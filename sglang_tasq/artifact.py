@@ -175,6 +175,7 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
     _require(fp.num_q_heads % H == 0, f"model.num_q_heads: {fp.num_q_heads} is not a multiple of num_kv_heads={H}")
     try:
         cfg.check_head_dim(d)
+        cfg.check_kv_heads(H)
     except ConfigError as e:
         raise ArtifactError(f"config: {e}") from None
     for key in ("group_size_k", "group_size_v", "codebook_size_k", "codebook_size_v", "code_bits_k", "code_bits_v"):

@@ -196,7 +196,7 @@ def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor, chunk: int = 4096,
 # ---- keys ---------------------------------------------------------------------------------
 def key_tailor(k: torch.Tensor, cb: Codebooks, layer: int):
     """Pre-RoPE keys [T, H, d] (post-RoPE for key_rope 'post') -> (tailored x [T, H, G, g] f32,
-    scale [T] or [T, H] fp16 or None)."""
+    scale fp16 [T] (shared, one group), [T, scale_groups] (shared), [T, H] (per_head) or None)."""
     cfg = cb.config
     T, H, d = k.shape
     k = k.float()
@@ -207,9 +207,14 @@ def key_tailor(k: torch.Tensor, cb: Codebooks, layer: int):
     else:
         kw = k * cb.k_weight[layer]
     scale = None
-    if cfg.scale == "shared":
+    if cfg.scale == "shared" and cfg.scale_groups == 1:
         scale = kw.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-6).half()  # [T]
         kw = kw / scale.float()[:, None, None]
+    elif cfg.scale == "shared":  # one scale per contiguous group of H / scale_groups heads
+        Gs = cfg.scale_groups
+        cfg.check_kv_heads(H)
+        scale = kw.reshape(T, Gs, -1).pow(2).mean(dim=2).sqrt().clamp_min(1e-6).half()  # [T, Gs]
+        kw = kw / scale.float().repeat_interleave(H // Gs, dim=1)[:, :, None]
     elif cfg.scale == "per_head":
         scale = kw.pow(2).mean(dim=2).sqrt().clamp_min(1e-6).half()  # [T, H]
         kw = kw / scale.float()[:, :, None]
@@ -219,7 +224,7 @@ def key_tailor(k: torch.Tensor, cb: Codebooks, layer: int):
 
 
 def encode_keys(k: torch.Tensor, cb: Codebooks, layer: int):
-    """Pre-RoPE keys [T, H, d] -> (codes [T, H, Gk] int64, scale fp16 [T] / [T, H] / None)."""
+    """Pre-RoPE keys [T, H, d] -> (codes [T, H, Gk] int64, scale fp16 as :func:`key_tailor`)."""
     x, scale = key_tailor(k, cb, layer)
     return nearest_codeword(x, cb.tailored_k_codebook(layer)), scale
 
@@ -233,11 +238,15 @@ def _gather_codewords(codes: torch.Tensor, codebook: torch.Tensor) -> torch.Tens
     return codebook[hh, gg, codes].reshape(T, H, G * g).float()
 
 
-def _apply_scale(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+def apply_scale(x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     if scale is None:
         return x
     s = scale.float()
-    return x * (s[:, None, None] if s.dim() == 1 else s[:, :, None])
+    if s.dim() == 1:
+        return x * s[:, None, None]
+    if s.shape[1] != x.shape[1]:  # one scale per group of heads
+        s = s.repeat_interleave(x.shape[1] // s.shape[1], dim=1)
+    return x * s[:, :, None]
 
 
 def decode_keys_permuted(codes: torch.Tensor, scale, cb: Codebooks, layer: int) -> torch.Tensor:
@@ -246,7 +255,7 @@ def decode_keys_permuted(codes: torch.Tensor, scale, cb: Codebooks, layer: int) 
     Only meaningful with diagonal (or no) weighting; the dense ablation un-mixes in
     :func:`decode_keys`.
     """
-    return _apply_scale(_gather_codewords(codes, cb.k_codebook[layer]), scale)
+    return apply_scale(_gather_codewords(codes, cb.k_codebook[layer]), scale)
 
 
 def decode_keys(codes: torch.Tensor, scale, cb: Codebooks, layer: int) -> torch.Tensor:

@@ -52,6 +52,9 @@ class TaSQConfig:
     codebook_size_v: int = 1024
     weighting: str = "diag"  # query-guided channel weights (sec. 4.1)
     scale: str = "shared"  # one fp16 RMS scale per token across KV heads (sec. 4.2)
+    # "shared" over this many contiguous, equal groups of KV heads: the tensor-parallel degree
+    # the artifact serves at (a TP rank holds whole groups, so its scales need no communication)
+    scale_groups: int = 1
     grouping: str = "covariance"  # hierarchical matching over RoPE pairs (sec. 4.3)
     fisher: bool = True  # Fisher-weighted k-means (sec. 4.4)
     key_rope: str = "pre"  # keys coded before RoPE ("pre") or after it ("post": NovaKV)
@@ -80,6 +83,11 @@ class TaSQConfig:
             raise ConfigError(f"weighting={self.weighting!r}: allowed {WEIGHTINGS}")
         if self.scale not in SCALES:
             raise ConfigError(f"scale={self.scale!r}: allowed {SCALES}")
+        if self.scale_groups < 1:
+            raise ConfigError(f"scale_groups={self.scale_groups}: must be >= 1")
+        if self.scale_groups > 1 and self.scale != "shared":
+            raise ConfigError(f"scale_groups={self.scale_groups} with scale={self.scale!r}: groups of KV heads "
+                              "share a scale only with scale 'shared'")
         if self.kmeans not in KMEANS:
             raise ConfigError(f"kmeans={self.kmeans!r}: allowed {KMEANS}")
         if self.grouping not in GROUPINGS:
@@ -118,12 +126,21 @@ class TaSQConfig:
 
     def bits_k(self, num_kv_heads: int, head_dim: int) -> float:
         """Bits per key element, metadata (the fp16 scale) included."""
-        from .packing import scale_count
+        from .packing import scales_per_token
 
-        return self.code_bits_k / self.group_size_k + 16 * scale_count(self.scale, num_kv_heads) / (num_kv_heads * head_dim)
+        return self.code_bits_k / self.group_size_k + 16 * scales_per_token(self, num_kv_heads) / (num_kv_heads * head_dim)
 
     def bits_v(self, num_kv_heads: int, head_dim: int) -> float:
         return self.code_bits_v / self.group_size_v
+
+    def check_kv_heads(self, num_kv_heads: int) -> None:
+        """The scale groups must split the KV heads evenly."""
+        if num_kv_heads % self.scale_groups:
+            raise ConfigError(f"scale_groups={self.scale_groups} does not divide the model's {num_kv_heads} KV heads")
+
+    def heads_per_scale(self, num_kv_heads: int) -> int:
+        """KV heads that share one fp16 key scale (0 without scales)."""
+        return {"none": 0, "per_head": 1, "shared": num_kv_heads // self.scale_groups}[self.scale]
 
     def check_head_dim(self, head_dim: int) -> None:
         """Groups must tile the head and the matching rounds must pair units evenly."""

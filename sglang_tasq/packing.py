@@ -3,7 +3,8 @@
 A token's codes ``[n]`` (each ``< 2**bits``) are one little-endian bit stream: code ``i``
 occupies bits ``[i*bits, (i+1)*bits)`` of the row, and bit ``b`` of the row is bit ``b % 8`` of
 byte ``b // 8``. A pool key row is the packed key codes of all heads (code ``h*G + j``) followed
-by the token's fp16 scales (one shared by all KV heads, one per head, or none).
+by the token's fp16 scales: ``scale_groups`` of them for scale "shared" (one per contiguous group
+of KV heads; 1 by default, all heads), one per head for "per_head", or none.
 
 The Numba CPU twins (``numba_kernels.cpu.pack``) and the CUDA kernels write the same bytes and
 are tested equal to :func:`pack_codes` / :func:`unpack_codes`.
@@ -16,16 +17,21 @@ import torch
 SCALE_MODE_ID = {"none": 0, "shared": 1, "per_head": 2}
 
 
-def scale_count(mode: str, num_kv_heads: int) -> int:
-    """fp16 scales stored per token: 1 shared, one per KV head, or 0."""
+def scale_count(mode: str, num_kv_heads: int, groups: int = 1) -> int:
+    """fp16 scales stored per token: one per group of heads (shared), one per KV head, or 0."""
     try:
-        return {"shared": 1, "per_head": num_kv_heads, "none": 0}[mode]
+        return {"shared": groups, "per_head": num_kv_heads, "none": 0}[mode]
     except KeyError:
         raise ValueError(f"unknown scale mode {mode!r}; expected one of {sorted(SCALE_MODE_ID)}") from None
 
 
-def scale_bytes(mode: str, num_kv_heads: int) -> int:
-    return 2 * scale_count(mode, num_kv_heads)
+def scales_per_token(cfg, num_kv_heads: int) -> int:
+    """fp16 key scales per token of config ``cfg`` for ``num_kv_heads`` heads."""
+    return scale_count(cfg.scale, num_kv_heads, getattr(cfg, "scale_groups", 1))
+
+
+def scale_bytes(mode: str, num_kv_heads: int, groups: int = 1) -> int:
+    return 2 * scale_count(mode, num_kv_heads, groups)
 
 
 def packed_row_bytes(num_codes: int, bits: int) -> int:
@@ -35,7 +41,7 @@ def packed_row_bytes(num_codes: int, bits: int) -> int:
 def row_bytes(cfg, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(key code bytes, key scale bytes, value code bytes) of one token in one layer."""
     gk, gv = head_dim // cfg.group_size_k, head_dim // cfg.group_size_v
-    return (packed_row_bytes(num_kv_heads * gk, cfg.code_bits_k), scale_bytes(cfg.scale, num_kv_heads),
+    return (packed_row_bytes(num_kv_heads * gk, cfg.code_bits_k), 2 * scales_per_token(cfg, num_kv_heads),
             packed_row_bytes(num_kv_heads * gv, cfg.code_bits_v))
 
 

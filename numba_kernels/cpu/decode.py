@@ -47,12 +47,15 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
     the splits. Each token's codes are unpacked in one pass over its bytes. A token inside the
     window of S is read from its slot's bf16 exact-store entry (``entry_of[slot]``, 0 = none;
-    ``win_k``/``win_v`` [E + 1, 1, H, d]) in native pair order (no permutation to gather). fastmath: sums are reassociated (vectorized)."""
+    ``win_k``/``win_v`` [E + 1, 1, H, d]) in native pair order (no permutation to gather). The key
+    row's scales follow its codes: head h reads scale ``h // (H / n_scales)``. fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
     rep = Hq // H
     hg = gk // 2
+    n_scales = (kbuf.shape[1] - code_bytes_k) // 2  # a key row is codes ++ its fp16 scales
+    hps = H // n_scales if n_scales > 0 else 1  # heads per scale (1 for per_head)
     for item in prange(B * H * nsplit):
         bh = item // nsplit
         b = bh // H
@@ -110,10 +113,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     logits[r, t - t_lo] = acc * sm_scale
                 continue
             else:
-                if scale_mode == 1:
-                    s = _half_bits_to_f32(np.uint16(kbuf[slot, code_bytes_k]) | (np.uint16(kbuf[slot, code_bytes_k + 1]) << 8))
-                elif scale_mode == 2:
-                    o = code_bytes_k + 2 * h
+                if scale_mode != 0:  # shared: head h reads its group's scale; per_head: its own
+                    o = code_bytes_k + 2 * (h // hps)
                     s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
                 _codes_of(kbuf, slot, h * Gk, Gk, bits_k, zs)
                 for j in range(Gk):

@@ -20,8 +20,10 @@ def _tailor_keys_py(k, pos, cos_t, sin_t, w, kperm, scale_mode, gk, kpre, x, sca
     """Post-RoPE keys k [T, H, d] f32 at positions pos -> pre-RoPE keys kpre [T, H, d] (the
     inverse rotation of ``rope.rotate``, same float ops), tailored keys x [T, H*Gk, gk] in the
     permuted group layout (weights w, fp16 RMS scale, as ``codec.key_tailor``) and the scale
-    bits scale_bits [T, Hs] (uint16 fp16; Hs = 1 shared, H per-head, unused for none)."""
+    bits scale_bits [T, Hs] (uint16 fp16; Hs scale groups of H/Hs heads for shared, H per-head,
+    unused for none)."""
     T, H, d = k.shape
+    hps = H // scale_bits.shape[1] if scale_mode == 1 else 1
     half = d // 2
     Gk = d // gk
     for t in prange(T):
@@ -52,13 +54,14 @@ def _tailor_keys_py(k, pos, cos_t, sin_t, w, kperm, scale_mode, gk, kpre, x, sca
                 for c in range(d):
                     kw[h, c] = kw[h, c] / sf
             tot += acc
-        if scale_mode == 1:
-            sb = _f32_to_half_bits(max(np.float32(math.sqrt(tot / (H * d))), np.float32(1e-6)))
-            scale_bits[t, 0] = sb
-            sf = _half_bits_to_f32(sb)
-            for h in range(H):
-                for c in range(d):
-                    kw[h, c] = kw[h, c] / sf
+            if scale_mode == 1 and (h + 1) % hps == 0:  # the last head of a scale group
+                sb = _f32_to_half_bits(max(np.float32(math.sqrt(tot / (hps * d))), np.float32(1e-6)))
+                scale_bits[t, h // hps] = sb
+                sf = _half_bits_to_f32(sb)
+                for hh in range(h + 1 - hps, h + 1):
+                    for c in range(d):
+                        kw[hh, c] = kw[hh, c] / sf
+                tot = 0.0
         for h in range(H):
             for j in range(Gk):
                 for l in range(gk):

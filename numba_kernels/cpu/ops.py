@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sglang_tasq.packing import SCALE_MODE_ID, scale_count
+from sglang_tasq.packing import SCALE_MODE_ID, scales_per_token
 
 from ._common import _NO_RING, _SERIAL_BELOW, _arr, _as_f32, _np, _u16
 from .decode import _decode_attention
@@ -188,7 +188,7 @@ class PoolEncoder:
         pos, locn = _np(positions, torch.int64), _np(loc, torch.int64)
         cosn, sinn = _arr(cos, _as_f32), _arr(sin, _as_f32)
         kb, vb = _arr(k_rows, torch.Tensor.numpy), _arr(v_rows, torch.Tensor.numpy)
-        Hs = scale_count(cfg.scale, H)
+        Hs = scales_per_token(cfg, H)
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]

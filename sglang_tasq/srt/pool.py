@@ -4,7 +4,8 @@ Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding wr
 
 - ``k_buffer[l]``: uint8 ``[rows, Bk + Bs]``: the packed key codes of all heads (code
   ``n = h*Gk + j``, :func:`codec.pack_codes` layout) followed by the fp16 shared scale
-  (``Bs = 2``; ``2*H`` for per-head scales, 0 without).
+  (``Bs = 2``; ``2*scale_groups`` for one scale per group of heads, ``2*H`` for per-head
+  scales, 0 without).
 - ``v_buffer[l]``: uint8 ``[rows, Bv]``: the packed value codes.
 
 SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 768 in bf16.
@@ -59,6 +60,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.codebooks = art.codebooks
         self.tasq_config = cfg = art.config
         H, d = self.head_num, self.head_dim
+        if self.codebooks.num_kv_heads != H or self.codebooks.head_dim != d:
+            raise RuntimeError(f"tasq: this rank's pool holds {H} KV heads of {d} dims, its codebooks "
+                               f"{self.codebooks.num_kv_heads} of {self.codebooks.head_dim}")
         self.gk, self.gv = d // cfg.group_size_k, d // cfg.group_size_v
         self.code_bytes_k, self.scale_bytes, self.code_bytes_v = packing.row_bytes(cfg, H, d)
         self.store_dtype = torch.uint8
@@ -315,7 +319,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if self.scale_bytes:
             sb = krow[:, self.code_bytes_k:]  # copied to a fresh buffer: a 1-row slice keeps an odd offset
             scale = torch.empty_like(sb, memory_format=torch.contiguous_format).copy_(sb).view(torch.float16)
-            scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
+            scale = scale.reshape(S) if self.scale_bytes == 2 else scale.reshape(S, self.scale_bytes // 2)
         v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
         return self._decode(k_codes, scale, v_codes, layer_id)
 
@@ -358,8 +362,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         S, H, _ = k_codes.shape
         k = kflat.index_select(0, (k_codes + koff).reshape(-1)).view(S, H, k_codes.shape[2] * kflat.shape[1])
         if scale is not None:
-            s = scale.float()
-            k = k * (s[:, None, None] if s.dim() == 1 else s[:, :, None])
+            k = codec.apply_scale(k, scale)
         k = torch.gather(k, 2, inv.unsqueeze(0).expand(S, H, -1))
         v = vflat.index_select(0, (v_codes + voff).reshape(-1)).view(S, H, v_codes.shape[2] * vflat.shape[1])
         return k, v

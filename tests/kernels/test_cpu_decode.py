@@ -84,7 +84,7 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
         scale = None
         if cfg.scale != "none":
             scale = torch.empty(S, kr.shape[1] - kb, dtype=torch.uint8).copy_(kr[:, kb:]).view(torch.float16)
-            scale = scale.reshape(S) if cfg.scale == "shared" else scale.reshape(S, H)
+            scale = scale.reshape(S, -1)  # [S, scales per token]: apply_scale spreads a group's over its heads
         vc = packing.unpack_codes(v_rows[sl], H * Gv, cfg.code_bits_v).view(S, H, Gv)
         pos = torch.arange(S)
         kw = vw = mask = None
@@ -107,14 +107,17 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
     ("shared", (4, 8), 1, 3, 16, [300]),  # one request: split-K is what fills the threads
     ("per_head", (0, 5), 2, 4, 16, [20, 9, 12]),  # recent only
     ("shared", (3, 0), 2, 4, 16, [20, 2, 7]),  # sink only
+    ("shared/2", (4, 8), 4, 8, 16, [5, 40, 33]),  # 2 scale groups of 2 heads (a TP-2 artifact at TP 1)
+    ("shared/3", None, 3, 6, 8, [17, 3]),  # 3 groups of 1 head
 ])
 def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, split_tokens):
     """Split-K (splits past a short request's end are empty) merges to the unsplit answer;
     window tokens come from their slots' entries, everything else (stale or absent entries
     included) from codes."""
     sink, recent = windows or (0, 0)
+    scale, _, groups = scale.partition("/")
     cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
-                     sink_window=sink, recent_window=recent)
+                     scale_groups=int(groups or 1), sink_window=sink, recent_window=recent)
     cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 11, windows is not None)
     sm_scale = d ** -0.5
     ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale)

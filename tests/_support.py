@@ -44,3 +44,33 @@ def pick_artifact(tmp_dir: Path | None = None) -> tuple[Path, bool]:
                         "--quiet"], check=True, cwd=str(ROOT), timeout=2400)
     load_checked_artifact(str(manifest), str(model_dir()))
     return manifest, True
+
+
+def tiny_llama_dir(out_dir: Path, num_kv_heads: int = 4, seed: int = 0) -> Path:
+    """A random-weight Llama (2 layers, 8 query / ``num_kv_heads`` KV heads of 32 dims, hidden 256)
+    with SmolLM2's tokenizer, saved as an HF checkpoint: for the mechanics of tensor parallelism
+    (whose heads split evenly), never for quality. Weights are drawn with std 0.1 (not 0.02), so
+    greedy decoding has clear margins instead of near-ties everywhere. Made once per ``out_dir``."""
+    import shutil
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = model_dir()
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=num_kv_heads, head_dim=32,
+                      max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+                      initializer_range=1.0, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copy(src / name, tmp / name)
+    tmp.rename(out)
+    return out

@@ -4,8 +4,10 @@ The artifact named by ``--tasq-config`` (exported to every SGLang process as the
 environment variable :data:`ENV_CONFIG`) is loaded and checked against the served model's
 ``config.json`` (layers, KV heads, head_dim, RoPE via :func:`models.fingerprint`) and against
 the server options TaSQ does not support: MLA, sliding window, speculative decoding, page
-size other than 1, tensor/pipeline/data parallelism > 1, and a KV cache dtype other than
-``auto``/``bf16``/``bfloat16``. Every refusal is a :class:`TaSQLaunchError` whose message is
+size other than 1, pipeline parallelism, data-parallel attention, a tensor-parallel degree
+that splits the model's KV heads unevenly or one of the artifact's key-scale groups
+(:mod:`sglang_tasq.sharding`), and a KV cache dtype other than ``auto``/``bf16``/``bfloat16``.
+Data parallelism (``--dp N``) runs one independent TaSQ pool per scheduler. Every refusal is a :class:`TaSQLaunchError` whose message is
 one line; :func:`refuse` prints it on stderr and exits with status 2.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .. import options
+from .. import options, sharding
 from ..options import ENV_CONFIG
 BACKEND_NAME = "tasq"
 SUPPORTED_KV_DTYPES = ("auto", "bf16", "bfloat16")
@@ -78,6 +80,18 @@ def runtime_artifact():
     return load_checked_artifact(path, None)
 
 
+def rank_artifact(tp_rank: int, tp_size: int):
+    """The active artifact cut to the KV heads of tensor-parallel rank ``tp_rank`` of ``tp_size``
+    (:func:`sharding.shard`; the artifact itself at TP 1), scale layout in the kernels' form."""
+    key = ("rank", config_path(), int(tp_rank), int(tp_size))
+    if key not in _cache:
+        try:
+            _cache[key] = sharding.shard(runtime_artifact(), tp_rank, tp_size)
+        except sharding.ShardingError as e:
+            raise TaSQLaunchError(f"tasq: {_one_line(e)}") from None
+    return _cache[key]
+
+
 def check_server_args(sa) -> None:
     """Refuse server options TaSQ does not support. ``sa``: a ServerArgs (or look-alike)."""
     def get(name, default=None):
@@ -91,9 +105,12 @@ def check_server_args(sa) -> None:
         raise TaSQLaunchError(f"tasq: speculative decoding ({get('speculative_algorithm')}) is not supported")
     if get("page_size") not in SUPPORTED_PAGE_SIZES:
         raise TaSQLaunchError(f"tasq: --page-size {get('page_size')} is not supported; TaSQ uses page size 1")
-    for name in ("tp_size", "pp_size", "dp_size"):
-        if (get(name) or 1) > 1:
-            raise TaSQLaunchError(f"tasq: --{name.replace('_', '-')} {get(name)} is not supported; TaSQ runs on one device (1)")
+    if (get("pp_size") or 1) > 1:
+        raise TaSQLaunchError(f"tasq: --pp-size {get('pp_size')} is not supported (pipeline parallelism); "
+                              "use --tp and/or --dp")
+    if get("enable_dp_attention"):
+        raise TaSQLaunchError("tasq: --enable-dp-attention is not supported; use --dp N (one TaSQ pool per "
+                              "data-parallel scheduler) and/or --tp N")
     kvd = str(get("kv_cache_dtype") or "auto")
     if kvd not in SUPPORTED_KV_DTYPES:
         raise TaSQLaunchError(f"tasq: --kv-cache-dtype {kvd} is not supported; allowed {', '.join(SUPPORTED_KV_DTYPES)} (TaSQ replaces the KV format)")
@@ -121,6 +138,16 @@ def validate(sa, path: Optional[str] = None):
     if art.config.key_rope != "pre":
         raise TaSQLaunchError(f"tasq: artifact {path} codes keys after RoPE (key_rope '{art.config.key_rope}', the "
                               "NovaKV baseline); the serving kernels code pre-RoPE keys: serve a --method tasq artifact")
+    tp = int(getattr(sa, "tp_size", 1) or 1)
+    try:
+        groups = sharding.check_tp(art.config, art.model.num_kv_heads, tp)
+    except sharding.ShardingError as e:
+        raise TaSQLaunchError(f"tasq: artifact {path}: {_one_line(e)}") from None
+    n = sharding.heads_per_rank(art.model.num_kv_heads, tp)
+    if str(getattr(sa, "device", "") or "").startswith("cuda") and 1 < groups < n:
+        raise TaSQLaunchError(f"tasq: artifact {path} has {groups} key-scale groups per TP rank of {n} KV heads; the "
+                              f"CUDA kernels serve one group or one per head: serve it at --tp "
+                              f"{art.config.scale_groups} or calibrate with --tp {tp}")
     if not art.codebooks.pairs_in_groups:
         raise TaSQLaunchError(f"tasq: artifact {path} groups keys by contiguous channels (grouping "
                               f"'{art.config.grouping}', the CQ baseline), which splits RoPE pairs across groups; "

@@ -9,7 +9,9 @@
   (:mod:`sglang_tasq.srt.launch`) before any weights load: a refusal is one stderr line, exit 2;
 - before ``ServerArgs.resolve_once`` (every launcher, ``sglang.Engine`` included) runs the same
   validation (raising :class:`launch.TaSQLaunchError`) and selects the backend if unset;
-- returns :class:`pool.TaSQTokenToKVPool` from the platform's ``get_kv_pool_cls(kind="mha")``;
+- returns :class:`pool.TaSQTokenToKVPool` from the platform's ``get_kv_pool_cls(kind="mha")``,
+  bound to the artifact slice of this scheduler's tensor-parallel rank (its KV heads and their
+  codebooks, :func:`launch.rank_artifact`); each data-parallel scheduler builds its own pool;
 - reports TaSQ's true bytes per token to ``DefaultPoolConfigurator`` (so
   ``max_total_num_tokens`` grows by the compression ratio, plus each slot's exact-store index)
   and charges the exact window store as fixed overhead, sized from ``--max-running-requests``;
@@ -149,11 +151,19 @@ def _around_engine_init(original, self, *args, **kwargs):
 
 
 # ---- pool --------------------------------------------------------------------------------------
+def _rank_artifact():
+    """The artifact slice this scheduler's tensor-parallel rank serves (its KV heads only)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    return launch.rank_artifact(int(par.attn_tp_rank), int(par.attn_tp_size))
+
+
 def _around_get_kv_pool_cls(original, self, *args, kind=None, **kwargs):
     if launch.active() and kind == "mha":
         from .pool import bind
 
-        return bind(launch.runtime_artifact(), _served_options())
+        return bind(_rank_artifact(), _served_options())
     return original(self, *args, kind=kind, **kwargs)
 
 
@@ -162,7 +172,7 @@ def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
         return original(self, kvc, num_layers, *args, **kwargs)
     from ..packing import bytes_per_token
 
-    art = launch.runtime_artifact()
+    art = _rank_artifact()
     fp = art.model
     # + the slot's exact-store entry index (int64)
     return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers)) + windows.SLOT_INDEX_BYTES
@@ -171,7 +181,7 @@ def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
 def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
     if not launch.active():
         return None
-    art = launch.runtime_artifact()
+    art = _rank_artifact()
     fp = art.model
     extra = windows.store_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, _served_options().rows())
     self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra

@@ -1,6 +1,6 @@
 """``python -m calibrate``: fit TaSQ codebooks and write one artifact; ``check`` validates one.
 
-    python -m calibrate --model smollm2-135m --out artifacts/smollm2 [--preset fast]
+    python -m calibrate --model smollm2-135m --out artifacts/smollm2 [--preset fast] [--tp N]
     python -m calibrate check artifacts/smollm2/tasq.json [--model smollm2-135m]
 """
 from __future__ import annotations
@@ -60,6 +60,10 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kmeans-samples", type=int, help="points per codebook for k-means")
     ap.add_argument("--sink", type=int, help="full-precision sink tokens at serving (default 64)")
     ap.add_argument("--recent", type=int, help="full-precision recent tokens at serving (default 256)")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="the tensor-parallel degree the artifact will serve at: the key scale is shared by the "
+                         "KV heads of one TP rank (the model's KV heads in N groups; default 1: all heads, the "
+                         "paper's setting); an artifact serves at any TP degree that keeps its groups whole")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap
@@ -72,7 +76,9 @@ def summary_lines(manifest: dict) -> list[str]:
         f"model        {m['architecture']}  layers={m['num_layers']} q_heads={m['num_q_heads']} "
         f"kv_heads={m['num_kv_heads']} head_dim={m['head_dim']} rope_theta={m['rope_theta']:g}",
         f"quantizer    K: g={c['group_size_k']} K={c['codebook_size_k']}  V: g={c['group_size_v']} K={c['codebook_size_v']}  "
-        f"weighting={c['weighting']} scale={c['scale']} grouping={c['grouping']} fisher={c['fisher']}"
+        f"weighting={c['weighting']} scale={c['scale']}"
+        + (f" over {c['scale_groups']} head groups (TP {c['scale_groups']})" if c.get("scale_groups", 1) > 1 else "")
+        + f" grouping={c['grouping']} fisher={c['fisher']}"
         f" keys={c.get('key_rope', 'pre')}-RoPE",
         f"bits/elem    K {manifest['bits_k']:.4f}  V {manifest['bits_v']:.4f}  (bf16: 16; "
         f"{32 / (manifest['bits_k'] + manifest['bits_v']):.1f}x smaller before windows)",
@@ -107,6 +113,17 @@ def cmd_calibrate(argv) -> int:
     from sglang_tasq.models import UnsupportedModelError
 
     from . import pipeline
+
+    if a.tp != 1:
+        from sglang_tasq import sharding
+        from sglang_tasq.models import fingerprint, load_config, resolve_model
+
+        try:
+            H = fingerprint(load_config(resolve_model(a.model))).num_kv_heads
+            cfg = sharding.for_tp(cfg, H, a.tp)
+        except (UnsupportedModelError, FileNotFoundError, sharding.ShardingError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     try:
         pipeline.resolve_device(a.device)

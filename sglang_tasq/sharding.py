@@ -61,6 +61,16 @@ def check_tp(cfg, num_kv_heads: int, tp_size: int) -> int:
     return n // hps
 
 
+def for_tp(cfg, num_kv_heads: int, tp_size: int):
+    """``cfg`` calibrated to serve at TP ``tp_size``: a shared key scale over each rank's heads
+    (``scale_groups`` = the number of distinct rank head sets); per-head or no scales already
+    serve at any degree. Raises :class:`ShardingError` for a degree the model cannot split."""
+    n = heads_per_rank(num_kv_heads, tp_size)
+    if cfg.scale != "shared":
+        return cfg
+    return dataclasses.replace(cfg, scale_groups=num_kv_heads // n)
+
+
 def shard_codebooks(cb, heads: range, scale_groups: int):
     """``Codebooks`` restricted to ``heads`` (every per-head tensor is [L, H, ...]) with
     ``scale_groups`` key-scale groups over them; one group per head is written as scale

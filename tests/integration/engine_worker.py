@@ -4,7 +4,8 @@ SGLang kills the parent of an engine that fails to start, so tests never start o
 pytest process: they run ``python tests/integration/engine_worker.py SPEC.json`` and read the last stdout
 line (one JSON object). SPEC: ``{"engine": {Engine kwargs}, "tasq_config": path or null,
 "tasks": [{"op": "generate", "prompt": str or [str], "input_ids": optional, "sampling_params":
-{...}, "return_logprob": bool}, {"op": "flush"}, {"op": "info"}]}``. A launch refusal prints
+{...}, "return_logprob": bool, "top_logprobs_num": optional k (each step's top-k [log-prob, id]),
+"logprob_start_len": optional (the prompt's teacher-forced log-probs from there)}, {"op": "flush"}, {"op": "info"}]}``. A launch refusal prints
 its one line on stderr and exits 2.
 
 ``make_random_artifact(out_dir, model_path, **config)`` writes a wiring-only artifact with
@@ -104,6 +105,21 @@ def make_random_artifact(out_dir, model_path, seed: int = 0, **config) -> Path:
     return save_artifact(out_dir, cb, fp, calibration={"kind": "random", "seed": seed})
 
 
+def first_parting(got: list[int], want: list[int], want_top: list) -> tuple | None:
+    """Where greedy outputs ``got`` and ``want`` first differ: None if they do not, else
+    (step, the ``want`` run's own top-1 minus top-2 log-prob there, its top-2 ids), from the
+    ``top_logprobs`` (k >= 2) the engine returned with ``want``. A parting at a small gap is a
+    near-tie flipped by float order; both tokens must then be the reference's top 2. A run
+    that stops early (EOS) parts at the shorter length."""
+    if got == want:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if i >= len(want_top):
+        return i, 0.0, []
+    step = sorted(want_top[i], key=lambda e: -e[0])
+    return i, float(step[0][0] - step[1][0]), [int(step[0][1]), int(step[1][1])]
+
+
 def _run_task(engine, task: dict) -> dict:
     op = task["op"]
     if op == "flush":
@@ -118,6 +134,10 @@ def _run_task(engine, task: dict) -> dict:
                 "kvcache_gb": (states[0].get("memory_usage") or {}).get("kvcache")}
     if op == "generate":
         kw = dict(sampling_params=task.get("sampling_params", {}), return_logprob=task.get("return_logprob", False))
+        if task.get("top_logprobs_num"):  # the engine's own top-k log-probs at each output step
+            kw.update(return_logprob=True, top_logprobs_num=int(task["top_logprobs_num"]))
+        if task.get("logprob_start_len") is not None:  # teacher-forced log-probs of the prompt from there
+            kw.update(return_logprob=True, logprob_start_len=int(task["logprob_start_len"]))
         if "input_ids" in task:
             kw["input_ids"] = task["input_ids"]
         else:
@@ -128,8 +148,12 @@ def _run_task(engine, task: dict) -> dict:
         for o in outs:
             meta = o.get("meta_info", {})
             r = {"text": o.get("text"), "output_ids": o.get("output_ids")}
-            if task.get("return_logprob"):
+            if task.get("return_logprob") or task.get("top_logprobs_num"):
                 r["output_logprobs"] = [[lp, tid] for lp, tid, *_ in meta.get("output_token_logprobs", [])]
+            if task.get("logprob_start_len") is not None:
+                r["input_logprobs"] = [lp for lp, *_ in meta.get("input_token_logprobs", []) if lp is not None]
+            if task.get("top_logprobs_num"):
+                r["top_logprobs"] = [[[lp, tid] for lp, tid, *_ in step] for step in meta.get("output_top_logprobs", [])]
             res.append(r)
         return {"op": op, "outputs": res}
     raise ValueError(f"unknown op {op!r}")

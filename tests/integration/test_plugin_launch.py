@@ -50,11 +50,24 @@ def test_good_artifact_passes(good, args):
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(page_size=16), "--page-size 16"), (dict(tp_size=2), "--tp-size 2"),
+    (dict(page_size=16), "--page-size 16"), (dict(pp_size=2), "--pp-size 2"),
+    (dict(enable_dp_attention=True), "--enable-dp-attention"),
+    (dict(tp_size=2), "--tp 2 does not divide the model's 3 KV heads"),
+    (dict(tp_size=3), "--tp 3: the artifact shares one key scale over 3 KV heads"),
     (dict(speculative_algorithm="EAGLE"), "speculative"), (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3"),
-    (dict(attention_backend="triton"), "--attention-backend triton"), (dict(dp_size=2), "--dp-size 2")])
+    (dict(attention_backend="triton"), "--attention-backend triton")])
 def test_unsupported_server_options(good, args, kw, needle):
     _assert_refused(args(**kw), good, needle)
+
+
+def test_parallel_degrees_the_artifact_serves(tmp_path, good, args, smollm2_dir):
+    """--dp N always; --tp N when the artifact's key-scale groups lie inside the ranks
+    (``calibrate --tp N``), on CPU and CUDA alike; TP 1 serves any grouping."""
+    assert validate(args(dp_size=2), str(good)).model.num_kv_heads == 3
+    tp3 = make_random_artifact(tmp_path / "tp3", smollm2_dir, scale_groups=3)
+    for kw in (dict(tp_size=3), dict(tp_size=1), dict(tp_size=3, dp_size=2), dict(tp_size=3, device="cuda")):
+        assert validate(args(**kw), str(tp3)).config.scale_groups == 3
+    _assert_refused(args(tp_size=2), tp3, "--tp 2 does not divide")
 
 
 def test_cq_channel_grouped_artifact_is_refused(tmp_path, smollm2_dir, args):

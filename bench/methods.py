@@ -43,6 +43,7 @@ NOVA_METHODS = {"novakv": (4, 256, 2), "novakv1": (8, 1024, None)}
 METHODS = (*BASELINES, "cq", "cq_pairs", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only",
            *NSN_METHODS, *NOVA_METHODS)
 _RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)$")
+_TP = re.compile(r"^tasq_tp(\d+)$")  # TaSQ calibrated to serve at TP N (key scale per rank's heads)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class MethodSpec:
     codebook_size: int = REF_K
     keys: bool = True  # False: keys stay in the model dtype
     values: bool = True
+    tp: int = 1  # the tensor-parallel degree it is calibrated for (``calibrate --tp``)
 
     @property
     def named_rate(self) -> bool:
@@ -68,7 +70,7 @@ class MethodSpec:
     def artifact_name(self) -> Optional[str]:
         if self.calib is None:
             return None
-        base = self.calib + (f"_{self.ablation}" if self.ablation else "")
+        base = self.calib + (f"_{self.ablation}" if self.ablation else "") + (f"_tp{self.tp}" if self.tp > 1 else "")
         return base + (f"_g{self.group_size}k{self.codebook_size}" if self.named_rate else "")
 
     def calibrate_argv(self, model: str, preset: str, out: Path) -> list[str]:
@@ -78,6 +80,8 @@ class MethodSpec:
             argv += ["--ablation", self.ablation]
         if self.named_rate:
             argv += ["--group-size", str(self.group_size), "--codebook-size", str(self.codebook_size)]
+        if self.tp > 1:
+            argv += ["--tp", str(self.tp)]
         return argv
 
     def expected_config(self) -> dict:
@@ -89,6 +93,8 @@ class MethodSpec:
         if self.ablation:
             cfg = cfg.ablation(self.ablation)
         want = {k: getattr(cfg, k) for k in ("weighting", "scale", "grouping", "fisher", "key_rope")}
+        if self.tp > 1:  # one scale group per rank (a model with fewer KV heads than ranks: one per head)
+            want["scale_groups"] = self.tp
         return {**want, "group_size_k": self.group_size, "codebook_size_k": self.codebook_size,
                 "group_size_v": self.group_size, "codebook_size_v": self.codebook_size}
 
@@ -108,10 +114,14 @@ def parse(name: str) -> MethodSpec:
         return MethodSpec(name, calib="tasq", values=False)
     if name == "tasq_values_only":
         return MethodSpec(name, calib="tasq", keys=False)
+    m = _TP.match(name)
+    if m and int(m.group(1)) > 1:
+        return MethodSpec(name, calib="tasq", tp=int(m.group(1)))
     m = _RATE.match(name)
     if m:
         return MethodSpec(name, calib=m.group(1), group_size=int(m.group(2)), codebook_size=int(m.group(3)))
-    raise ValueError(f"method {name!r}: allowed {METHODS} or rate points like 'tasq@g8k256'")
+    raise ValueError(f"method {name!r}: allowed {METHODS}, rate points like 'tasq@g8k256' or TP-calibrated "
+                     "TaSQ like 'tasq_tp3'")
 
 
 def parse_windows(setting: str) -> tuple[int, int]:

@@ -164,9 +164,14 @@ def test_method_names():
     assert cp.calibrate_argv("m", "fast", "out")[cp.calibrate_argv("m", "fast", "out").index("--method") + 1] == "cq_pairs"
     ko = M.parse("tasq_keys_only")
     assert ko.artifact_name == "tasq" and not ko.values
+    tp = M.parse("tasq_tp3")
+    assert tp.artifact_name == "tasq_tp3" and tp.expected_config()["scale_groups"] == 3
+    argv = tp.calibrate_argv("m", "default", "out")
+    assert argv[argv.index("--tp") + 1] == "3" and "scale_groups" not in M.parse("tasq").expected_config()
     assert M.parse_windows("none") == (0, 0) and M.parse_windows("64+256") == (64, 256)
-    with pytest.raises(ValueError, match="allowed"):
-        M.parse("tasq_nope")
+    for bad in ("tasq_nope", "tasq_tp1"):
+        with pytest.raises(ValueError, match="allowed"):
+            M.parse(bad)
     with pytest.raises(ValueError, match="SINK"):
         M.parse_windows("64")
     cb = random_codebooks(1, 3, 64, config=TaSQConfig())

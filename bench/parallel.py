@@ -5,7 +5,8 @@
 
 Each server (a real ``sglang.launch_server`` on CPU, one at a time; more than one rank per NUMA
 node needs ``SGLANG_CPU_OMP_THREADS_BIND``, set here to one core per rank, ranks sharing the
-machine's cores round-robin) answers the same greedy chat requests through the OpenAI API, and
+machine's cores round-robin) answers the same greedy chat requests through the OpenAI API (each
+on a flushed cache, so no answer depends on what the radix cache holds from earlier ones), and
 returns the prompts' teacher-forced log-probs through ``/generate``. Each parallel server is
 compared with its kind at degree 1 (``tasq@tp3`` with ``tasq@tp1``): identical answers, and the
 largest log-prob difference ("drift"), next to bf16's own drift at the same degree (TP sums in
@@ -78,7 +79,8 @@ def serve_and_ask(spec: str, a, model_dir: Path, prompt_ids: list, log_dir: Path
     try:
         startup = round(time.time() - t0, 1)
         answers = []
-        for q in QUESTIONS:
+        for q in QUESTIONS:  # each alone on a cold cache: the answer is the request's, not the cache state's
+            urllib.request.urlopen(urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60).read()
             r = _post(base + "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": q}],
                                                       "temperature": 0, "max_tokens": a.new_tokens})
             answers.append(r["choices"][0]["message"]["content"])
@@ -100,8 +102,10 @@ def drift(x: dict, y: dict) -> float:
 
 def report(res: dict) -> str:
     s = res["servers"]
-    lines = [f"# Serving at TP/DP > 1 ({res['hardware']}, SmolLM2-135M-Instruct, {len(QUESTIONS)} greedy chat "
-             f"requests of {res['new_tokens']} tokens; artifact {res['artifact']})", "",
+    hw = res["hardware"]
+    hw = f"{hw.get('cpu')}, {hw.get('cores')} cores, {hw.get('mem_gib')} GiB" if isinstance(hw, dict) else hw
+    lines = [f"# Serving at TP/DP > 1 ({hw}; SmolLM2-135M-Instruct; {len(QUESTIONS)} greedy chat requests of "
+             f"{res['new_tokens']} tokens, each alone on a flushed cache; artifact {res['artifact']})", "",
              "| server | vs | same answers | prompt log-prob drift (nats) | bf16's drift at that degree | startup s |",
              "|---|---|---|---|---|---|"]
     for name, r in s.items():

@@ -102,7 +102,7 @@ def targets(rows: list) -> list:
                 "value": ", ".join(f"{k}: {nt[k]:.1f} vs {nb[k]:.1f}" for k in common) or None})
     for s in SETTINGS:
         t = get("tasq", s, "ppl_wiki")
-        for m in sorted({r["method"] for r in rows if r["method"].startswith("tasq_") and "only" not in r["method"]}):
+        for m in sorted({r["method"] for r in rows if r["method"] in ABLATION_METHODS}):  # one component removed
             a = get(m, s, "ppl_wiki")
             out.append({"target": f"{m} worse than TaSQ (windows {s})", "met": None if None in (a, t) else a >= t,
                         "value": None if None in (a, t) else f"{a:.3f} vs {t:.3f}"})

@@ -55,6 +55,9 @@ class LayerTables:
         cfg = cb.config
         if cfg.code_bits_k > 16 or cfg.code_bits_v > 16:
             raise ValueError(f"code bits {cfg.code_bits_k}/{cfg.code_bits_v}: kernels support <= 16")
+        if cfg.scale == "shared" and cfg.scale_groups > 1:  # (one group per head arrives as "per_head")
+            raise ValueError(f"scale_groups={cfg.scale_groups}: the CUDA kernels read one key scale per token or "
+                             "one per head (sglang_tasq.sharding.shard gives each TP rank one of those)")
         one = Codebooks(config=cfg, k_codebook=cb.k_codebook[layer : layer + 1].half().float(),
                         k_weight=cb.k_weight[layer : layer + 1].float(), k_perm=cb.k_perm[layer : layer + 1],
                         v_codebook=cb.v_codebook[layer : layer + 1].half().float(),

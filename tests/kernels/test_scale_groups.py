@@ -128,3 +128,20 @@ def test_a_rank_slice_codes_its_heads_as_the_whole_model_does():
     assert sharding.shard(art, 0, 1) is art
     with pytest.raises(sharding.ShardingError, match="a rank holds 1"):
         sharding.shard(art, 0, 4)
+
+
+def test_cuda_tables_refuse_partial_scale_groups():
+    """The CUDA kernels take one scale per token or one per head; a rank's slice is one of those
+    (``sharding.shard`` writes one group per head as per_head), anything else is refused."""
+    from numba_kernels.tables import LayerTables
+
+    with pytest.raises(ValueError, match="scale_groups=2: the CUDA kernels"):
+        LayerTables.from_codebooks(random_codebooks(1, 4, 16, _cfg(scale_groups=2)), 0)
+    cb = random_codebooks(1, 3, 16, _cfg(scale_groups=3))
+    from sglang_tasq.artifact import Artifact, ModelFingerprint
+
+    fp = ModelFingerprint("LlamaForCausalLM", 1, 9, 3, 16, 10000.0, None)
+    art = sharding.shard(Artifact(manifest={"model": fp.to_dict(), "config": cb.config.to_dict()}, codebooks=cb,
+                                  path=None), 0, 1)
+    assert art.config.scale == "per_head" and art.config.scale_groups == 1
+    LayerTables.from_codebooks(art.codebooks, 0)

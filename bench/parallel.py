@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from sglang_tasq.options import child_env, passive_omp
 
 passive_omp()
 
-from sglang_tasq.demo import _post, haystack, stop_server, wait_ready  # noqa: E402
+from sglang_tasq.demo import _free_port, _get, _post, haystack, stop_server, wait_ready  # noqa: E402
 from sglang_tasq.models import resolve_model  # noqa: E402
 
 from .serving_report import hardware  # noqa: E402
@@ -47,12 +46,6 @@ def parse_server(spec: str) -> tuple[str, str, int]:
     if kind not in ("bf16", "tasq") or deg[:2] not in ("tp", "dp") or not deg[2:].isdigit() or int(deg[2:]) < 1:
         raise argparse.ArgumentTypeError(f"server {spec!r}: expected bf16|tasq @ tpN|dpN, e.g. tasq@tp3")
     return kind, deg[:2], int(deg[2:])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_and_ask(spec: str, a, model_dir: Path, prompt_ids: list, log_dir: Path) -> dict:
@@ -87,8 +80,7 @@ def serve_and_ask(spec: str, a, model_dir: Path, prompt_ids: list, log_dir: Path
         r = _post(base + "/generate", {"input_ids": prompt_ids, "return_logprob": True, "logprob_start_len": 0,
                                        "sampling_params": {"temperature": 0, "max_new_tokens": 1}})
         lps = [[lp for lp, *_ in o["meta_info"]["input_token_logprobs"] if lp is not None] for o in r]
-        with urllib.request.urlopen(base + "/get_server_info", timeout=30) as resp:
-            info = json.loads(resp.read())
+        info = _get(base + "/get_server_info")
         return {"status": "ok", "startup_s": startup, "answers": answers, "prompt_logprobs": lps,
                 "attention_backend": info.get("attention_backend"), "tp_size": info.get("tp_size"),
                 "dp_size": info.get("dp_size")}

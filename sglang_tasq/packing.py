@@ -30,10 +30,6 @@ def scales_per_token(cfg, num_kv_heads: int) -> int:
     return scale_count(cfg.scale, num_kv_heads, getattr(cfg, "scale_groups", 1))
 
 
-def scale_bytes(mode: str, num_kv_heads: int, groups: int = 1) -> int:
-    return 2 * scale_count(mode, num_kv_heads, groups)
-
-
 def packed_row_bytes(num_codes: int, bits: int) -> int:
     return (num_codes * bits + 7) // 8
 

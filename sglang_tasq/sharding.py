@@ -75,10 +75,9 @@ def shard_codebooks(cb, heads: range, scale_groups: int):
     """``Codebooks`` restricted to ``heads`` (every per-head tensor is [L, H, ...]) with
     ``scale_groups`` key-scale groups over them; one group per head is written as scale
     "per_head" (the same numbers: the kernels' per-head layout)."""
-    sl = slice(heads.start, heads.stop)
-
     def cut(t):
-        return None if t is None or (heads.start == 0 and heads.stop == t.shape[1]) else t[:, sl].contiguous()
+        whole = t is None or (heads.start == 0 and heads.stop == t.shape[1])
+        return t if whole else t[:, heads.start:heads.stop].contiguous()
 
     cfg = cb.config
     if cfg.scale == "shared":
@@ -87,9 +86,8 @@ def shard_codebooks(cb, heads: range, scale_groups: int):
             cfg = dataclasses.replace(cfg, **change)
         except ConfigError as e:  # pragma: no cover - check_tp guarantees a valid count
             raise ShardingError(str(e)) from None
-    out = {name: cut(getattr(cb, name)) for name in ("k_codebook", "k_weight", "k_perm", "v_codebook", "k_mix",
-                                                    "k_unmix", "k_mean")}
-    return dataclasses.replace(cb, config=cfg, **{k: v if v is not None else getattr(cb, k) for k, v in out.items()})
+    per_head = ("k_codebook", "k_weight", "k_perm", "v_codebook", "k_mix", "k_unmix", "k_mean")
+    return dataclasses.replace(cb, config=cfg, **{name: cut(getattr(cb, name)) for name in per_head})
 
 
 def shard(artifact, tp_rank: int, tp_size: int):

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -48,6 +49,21 @@ def parse_server(spec: str) -> tuple[str, str, int]:
     return kind, deg[:2], int(deg[2:])
 
 
+def flush(base: str, wait_s: float = 120) -> None:
+    """Empty the radix cache; SGLang refuses while a request (its start-up warm-up included) is
+    still in flight, so retry until it is idle."""
+    t0 = time.time()
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(base + "/flush_cache?timeout=10", method="POST"),
+                                   timeout=60).read()
+            return
+        except urllib.error.HTTPError:
+            if time.time() - t0 > wait_s:
+                raise
+            time.sleep(1)
+
+
 def serve_and_ask(spec: str, a, model_dir: Path, prompt_ids: list, log_dir: Path) -> dict:
     kind, axis, n = parse_server(spec)
     port = _free_port()
@@ -73,7 +89,7 @@ def serve_and_ask(spec: str, a, model_dir: Path, prompt_ids: list, log_dir: Path
         startup = round(time.time() - t0, 1)
         answers = []
         for q in QUESTIONS:  # each alone on a cold cache: the answer is the request's, not the cache state's
-            urllib.request.urlopen(urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60).read()
+            flush(base)
             r = _post(base + "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": q}],
                                                       "temperature": 0, "max_tokens": a.new_tokens})
             answers.append(r["choices"][0]["message"]["content"])

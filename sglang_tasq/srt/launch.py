@@ -7,8 +7,9 @@ the server options TaSQ does not support: MLA, sliding window, speculative decod
 size other than 1, pipeline parallelism, data-parallel attention, a tensor-parallel degree
 that splits the model's KV heads unevenly or one of the artifact's key-scale groups
 (:mod:`sglang_tasq.sharding`), and a KV cache dtype other than ``auto``/``bf16``/``bfloat16``.
-Data parallelism (``--dp N``) runs one independent TaSQ pool per scheduler. Every refusal is a :class:`TaSQLaunchError` whose message is
-one line; :func:`refuse` prints it on stderr and exits with status 2.
+Data parallelism (``--dp N``) runs one independent TaSQ pool per scheduler. Every refusal is a
+:class:`TaSQLaunchError` whose message is one line; :func:`refuse` prints it on stderr and
+exits with status 2.
 """
 from __future__ import annotations
 

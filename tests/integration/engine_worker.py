@@ -10,7 +10,7 @@ its one line on stderr and exits 2.
 
 ``make_random_artifact(out_dir, model_path, **config)`` writes a wiring-only artifact with
 random codebooks (garbage quality, valid format) for the served model. The test helpers
-``run_worker``, ``chat_ids`` and ``reference_logprobs`` (the HF TaSQ cache, independent of
+``run_worker``, ``chat_ids``, ``first_parting`` and ``reference_logprobs`` (the HF TaSQ cache, independent of
 SGLang) live here too; ``model_dir`` and ``pick_artifact`` come from ``tests/_support.py`` (in
 pytest, use the ``smollm2_dir`` and ``artifact`` fixtures of ``tests/conftest.py``).
 """
@@ -69,25 +69,6 @@ def reference_logprobs(model_path, codebooks, prompt_ids: list[int], out_ids: li
             if i >= len(prompt_ids) - 1:
                 out.append(float(torch.log_softmax(logits.float(), -1)[seq[i + 1]]))
     return out
-
-
-def reference_top2(model_path, codebooks, prompt_ids: list[int], prefix_ids: list[int], sink: int,
-                   recent: int) -> tuple[float, list[int]]:
-    """The HF TaSQ cache's next-token distribution after ``prompt_ids + prefix_ids`` (fed one
-    token at a time, as :func:`reference_logprobs`): (top-1 minus top-2 log-prob, [top-1, top-2])."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from sglang_tasq.hf.cache import TaSQCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
-    model.eval()
-    cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True)
-    with torch.no_grad():
-        for t in list(prompt_ids) + list(prefix_ids):
-            logits = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
-    top = torch.log_softmax(logits.float(), -1).topk(2)
-    return float(top.values[0] - top.values[1]), [int(i) for i in top.indices]
 
 
 def make_random_artifact(out_dir, model_path, seed: int = 0, **config) -> Path:

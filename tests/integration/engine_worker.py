@@ -101,6 +101,18 @@ def first_parting(got: list[int], want: list[int], want_top: list) -> tuple | No
     return i, float(step[0][0] - step[1][0]), [int(step[0][1]), int(step[1][1])]
 
 
+def assert_same_or_near_tie(got: list[int], want: list[int], want_top: list, tie: float) -> None:
+    """``got == want``, or the two part at a near-tie of the ``want`` run: its own top-2 gap at the
+    parting step below ``tie``, both tokens among its top 2 (see :func:`first_parting`)."""
+    p = first_parting(got, want, want_top)
+    if p is None:
+        return
+    i, gap, top2 = p
+    print(f"parting at step {i}: reference top-2 gap {gap:.3f} nats, top 2 {top2}")
+    assert i < min(len(got), len(want)), (got, want)  # one is a prefix of the other: not a tie
+    assert gap < tie and {got[i], want[i]} <= set(top2), (i, gap, top2, tie, got, want)
+
+
 def _run_task(engine, task: dict) -> dict:
     op = task["op"]
     if op == "flush":

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from engine_worker import chat_ids, first_parting, reference_logprobs, run_worker
+from engine_worker import assert_same_or_near_tie, chat_ids, reference_logprobs, run_worker
 
 NEW = 12
 # Across paths whose float arithmetic differs (torch vs Numba kernels, a prefill split into
@@ -119,17 +119,6 @@ def test_same_answer_cold_after_others_warm_and_in_a_batch(numba_run):
     assert run["chat_warm"] == run["chat_fresh"], (run["chat_warm"], run["chat_fresh"])
 
 
-def _assert_same_or_near_tie(got, want, want_top):
-    """``got == want``, or the two part at a near-tie of the ``want`` run (see ENGINE_TIE)."""
-    p = first_parting(got, want, want_top)
-    if p is None:
-        return
-    i, gap, top2 = p
-    print(f"parting at step {i}: reference top-2 gap {gap:.3f} nats, top 2 {top2}")
-    assert i < min(len(got), len(want)), (got, want)  # one is a prefix of the other: not a tie
-    assert gap < ENGINE_TIE and {got[i], want[i]} <= set(top2), (i, gap, top2, got, want)
-
-
 def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run):
     """The plain-torch path, chunked prefill (256), SGLang's retraction hook: a batch of 6, 4 at
     a time, answers as cold; a retracted request's prefill is recomputed in other chunks, so the
@@ -137,7 +126,7 @@ def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run):
     gap of ~0.1 nats)."""
     run = torch_chunked_run
     for got, want, top in zip(run["batch"], run["cold"], run["cold_top"]):
-        _assert_same_or_near_tie(got, want, top)
+        assert_same_or_near_tie(got, want, top, ENGINE_TIE)
 
 
 def test_the_torch_run_retracted_requests(torch_chunked_run):
@@ -152,7 +141,7 @@ def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_c
     attention by the window rule, so the same tokens up to float rounding: they may part only at
     a near-tie of the reference."""
     for got, want, top in zip(torch_chunked_run["cold"], numba_run["cold"], numba_run["cold_top"]):
-        _assert_same_or_near_tie(got, want, top)
+        assert_same_or_near_tie(got, want, top, ENGINE_TIE)
 
 
 def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artifact):

@@ -2,31 +2,33 @@
 
 Every forward first stores the new tokens (``TaSQTokenToKVPool.set_kv_buffer``: keys are
 un-rotated to pre-RoPE with ``forward_batch.positions``, encoded, packed), then attends.
-Design choice for extend (prefill and chunked prefill), as a fused kernel would do it and as
-the HF reference cache does (``fresh_exact``): the chunk's own tokens are attended with their
-EXACT k/v; the prefix (earlier chunks, radix-cached tokens) is read from the pool: decoded
-codes, or the request's full-precision window entries. Decode reads everything from the pool
-(the new token is in the recent window). RoPE position of a cached token = its index in the
-request's ``req_to_token`` row (plain Llama-family models).
+Every query, of a prompt chunk or a decode step, follows the one window rule of
+:mod:`sglang_tasq.windows` (key j read exactly iff j < sink or j >= i + 1 - recent, from its
+codes otherwise), whoever wrote the key and in how many chunks: exact keys come from the
+chunk's own k/v or the pool's exact store, the rest from the codes. RoPE position of a cached
+token = its index in the request's ``req_to_token`` row (plain Llama-family models).
 
 CPU path, decode: one Numba kernel call per layer for the whole batch
 (:func:`numba_kernels.cpu.decode_attention`: unpack, folded decode, RoPE, softmax, value
 decode, windows); ``SGLANG_TASQ_CPU_KERNELS=0`` selects the torch path below instead.
-CPU path, extend (and decode without the kernels): per request, decode the codes of its ``P = S - Tq`` prefix tokens with the
-reference codec (:mod:`sglang_tasq.codec`), re-apply RoPE at positions ``0..P-1``, append the
-chunk's post-RoPE keys and values, and run fp32 causal attention (queries ``[Tq, Hq, d]`` at
-positions ``P..S-1``). CUDA path: :class:`sglang_tasq.srt.serve_cuda.TaSQCudaAdapter` (Numba
+CPU path, extend: per request, decode the codes of all ``S`` tokens with the reference codec
+(:mod:`sglang_tasq.codec`), take the exact keys the chunk's queries read (prefix entries of
+the exact store, the chunk's own k/v), re-apply RoPE at positions ``0..S-1`` and run
+:func:`windowed_prefill` (queries ``[Tq, Hq, d]`` at positions ``P..S-1``, in the model dtype,
+in whole query blocks aligned to absolute positions, so a row's arithmetic does not depend on
+the chunking). Decode without the kernels reads the request through the pool and runs fp32
+causal attention. CUDA path: :class:`sglang_tasq.srt.serve_cuda.TaSQCudaAdapter` (Numba
 encode into the pool, split-K kernels of ``numba_kernels.ops`` over a compact view of it),
 dispatched in :meth:`TaSQAttnBackend._forward`.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-import torch.nn.functional as F
-
-from .. import windows
 from ..rope import cos_sin, rotate
 
 
@@ -153,27 +155,16 @@ class TaSQAttnBackend(AttentionBackend):
         P = S - Tq
         cfg = pool.tasq_config
         sink, recent = cfg.sink_window, cfg.recent_window
-        q_pos = torch.arange(P, S, device=q.device)
-        k_pos = torch.arange(S, device=q.device)
-        ex = windows.query_window(q_pos, k_pos, sink, recent)  # [Tq, S]
-        causal = k_pos[None, :] <= q_pos[:, None]
-        if bool((ex | ~causal).all()):  # every key a query sees is in its window: exact attention
-            k_ex, v_ex = chunk[0].float(), chunk[1].float()
-            if P:
-                k_pre, v_pre = pool.read_codes(layer.layer_id, slots[:P])
-                pool.read_exact(layer.layer_id, slots[:P], k_pre, v_pre, torch.ones(P, dtype=torch.bool))
-                k_ex = torch.cat([rotate(k_pre, cos[:P], sin[:P]), k_ex])
-                v_ex = torch.cat([v_pre, v_ex])
-            return _sdpa(q, k_ex, v_ex, layer.scaling)
         k_dec, v_dec = pool.read_codes(layer.layer_id, slots)
         k_ex, v_ex = k_dec.clone(), v_dec.clone()
-        need = ex.any(0)
-        need[P:] = False
-        pool.read_exact(layer.layer_id, slots, k_ex, v_ex, need)
+        if P:  # the prefix keys some query of the chunk reads exactly (begin_forward checked their entries)
+            j = torch.arange(P, device=q.device)
+            need = (j < sink) | (j >= P + 1 - recent)
+            pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
         k_ex[P:] = chunk[0].float()
         v_ex[P:] = chunk[1].float()
-        return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
+        return windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink, recent, layer.scaling)
 
     def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
         """Decode over the pool with the Numba kernel (``numba_kernels.cpu.DecodePlan``, built
@@ -248,3 +239,97 @@ def _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex, causal, sm_scale: float
                                            scale=sm_scale, enable_gqa=Hq != H)
         out[a:b] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+#: block of query positions of :func:`windowed_prefill` (aligned to absolute positions)
+PREFILL_BLOCK = 256
+
+
+def windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink: int, recent: int, sm_scale: float,
+                     block: int = PREFILL_BLOCK, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """CPU attention of q [Tq, Hq, d] at positions ``P..S-1`` (``P = S - Tq``) over S keys by the
+    window rule: query i reads key j <= i from (k_ex, v_ex) iff j < sink or j >= i + 1 - recent,
+    from (k_dec, v_dec) otherwise (k, v [S, H, d], post-RoPE keys; GQA) -> [Tq, Hq, dv] f32.
+
+    Computed in ``dtype`` (the query's, i.e. the model's, by default: bf16 in the server, as
+    SGLang's own attention) in blocks of ``block`` query positions aligned to absolute
+    positions ``[m*block, (m+1)*block)``, each split into two disjoint key sets merged by their
+    log-sum-exp:
+
+    - the codes every query of the block reads, ``sink <= j < t`` with
+      ``t = max(sink, m*block + 1 - recent)``: one unmasked attention (most of the work at long
+      context, no mask, no doubled keys);
+    - the rest, ``j < sink`` and ``t <= j <= i`` exact plus the codes ``t <= j <= i - recent``: one
+      masked attention over ``< sink + 2*block + recent`` keys.
+
+    Every query's arithmetic depends only on its own position (and S-independent key blocks), not
+    on where its chunk starts: one chunk, many chunks or a radix-cached prefix give bit-identical
+    attention rows."""
+    Tq, Hq, _ = q.shape
+    S, H = k_ex.shape[0], k_ex.shape[1]
+    P = S - Tq
+    dtype = dtype or q.dtype
+    rep = Hq // H  # GQA: the rep query heads of a KV head are stacked along the query axis
+
+    def heads(x):  # [n, H, d] -> [1, H, n, d] in dtype
+        return x.to(dtype).transpose(0, 1).unsqueeze(0)
+
+    lo0 = (P // block) * block
+    end = -(-S // block) * block  # every block is computed whole (rows and keys padded): same shapes,
+    dv = v_ex.shape[2]            # so the same arithmetic per row, wherever the chunk starts or ends
+    Q = torch.zeros(H, rep, end - lo0, q.shape[2], dtype=dtype, device=q.device)
+    Q[:, :, P - lo0:S - lo0] = q.to(dtype).view(Tq, H, rep, -1).permute(1, 2, 0, 3)
+
+    def heads(x):  # [S, H, d] -> [1, H, end, d] in dtype, zero keys/values past S (masked)
+        y = torch.zeros(1, H, end, x.shape[2], dtype=dtype, device=x.device)
+        y[0, :, :S] = x.to(dtype).transpose(0, 1)
+        return y
+
+    Ke, Ve, Kd, Vd = heads(k_ex), heads(v_ex), heads(k_dec), heads(v_dec)
+    out = torch.empty(Tq, Hq, dv, dtype=torch.float32, device=q.device)
+    for lo, t, s0, c1, mask, empty in _prefill_blocks(lo0, end, sink, recent, block, rep, dtype):
+        hi = lo + block
+        qb = Q[:, :, lo - lo0:hi - lo0].reshape(1, H, rep * block, -1)
+        keys = torch.cat([Ke[:, :, :s0], Ke[:, :, t:hi], Kd[:, :, t:c1]], 2)
+        vals = torch.cat([Ve[:, :, :s0], Ve[:, :, t:hi], Vd[:, :, t:c1]], 2)
+        o, lse = _FLASH(qb, keys, vals, attn_mask=mask, scale=sm_scale)
+        o = o.float()
+        if t > sink:  # the codes every query of the block reads
+            o2, lse2 = _FLASH(qb, Kd[:, :, sink:t], Vd[:, :, sink:t], scale=sm_scale)
+            if empty is not None:  # rows with no key in the masked set (lse reads 0 there)
+                lse = lse.masked_fill(empty, float("-inf"))
+            m = torch.maximum(lse, lse2)
+            w, w2 = torch.exp(lse - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
+            o = (o * w + o2.float() * w2) / (w + w2)
+        a, b = max(lo, P), min(hi, S)
+        o = o.view(H, rep, block, dv)[:, :, a - lo:b - lo]
+        out[a - P:b - P] = o.permute(2, 0, 1, 3).reshape(b - a, Hq, dv)
+    return out
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@functools.lru_cache(maxsize=64)
+def _prefill_blocks(lo0: int, end: int, sink: int, recent: int, block: int, rep: int, dtype: torch.dtype) -> tuple:
+    """The whole query blocks ``[lo, lo + block)`` of :func:`windowed_prefill` from ``lo0`` to
+    ``end`` (a pure function of its arguments; cached because every layer of a forward asks for
+    the same): per block its first position ``lo``, the common-code bound ``t``, the sink keys
+    ``s0``, the end of its local codes ``c1``, the additive mask [1, 1, rep*block, keys] and the rows
+    with an empty masked set [1, 1, rep*block] (or None)."""
+    out = []
+    neg = torch.tensor(float("-inf"), dtype=dtype)
+    zero = torch.tensor(0.0, dtype=dtype)
+    for lo in range(lo0, end, block):
+        hi = lo + block
+        t = max(sink, lo + 1 - recent)
+        s0 = min(sink, hi)
+        c1 = max(t, hi - recent)
+        i = torch.arange(lo, hi)[:, None]
+        ex = torch.cat([torch.arange(s0), torch.arange(t, hi)])[None]
+        cd = torch.arange(t, c1)[None]
+        seen = torch.cat([(ex <= i) & ((ex < sink) | (ex >= i + 1 - recent)), cd <= i - recent], 1).repeat(rep, 1)
+        empty = ~seen.any(1)
+        out.append((lo, t, s0, c1, torch.where(seen, zero, neg)[None, None],
+                    empty[None, None] if bool(empty.any()) else None))
+    return tuple(out)

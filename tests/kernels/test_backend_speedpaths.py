@@ -129,30 +129,83 @@ def test_blocked_argmin_first_on_ties_and_nonfinite_inputs():
     assert torch.equal(codec.LayerNearest(lambda layer: book)(x, 0), codec.nearest_codeword(x, book))
 
 
-@pytest.mark.parametrize("Tq,S,sink,recent,block", [(1, 1, 0, 0, 256), (5, 40, 2, 3, 2), (37, 37, 4, 8, 16),
-                                                    (64, 300, 3, 0, 256), (20, 50, 0, 7, 7)])
+CHUNKS = [(1, 1, 0, 0, 256), (5, 40, 2, 3, 2), (37, 37, 4, 8, 16), (64, 300, 3, 0, 256), (20, 50, 0, 7, 7),
+          (30, 50, 0, 0, 8), (300, 1000, 64, 256, 256), (700, 700, 64, 256, 256), (9, 777, 64, 256, 128)]
+
+
+def _mixed_case(Tq, S, seed):
+    torch.manual_seed(seed)
+    q = torch.randn(Tq, 6, 16)
+    k_ex, v_ex = torch.randn(S, 2, 16), torch.randn(S, 2, 16)
+    k_dec, v_dec = k_ex + 0.3 * torch.randn(S, 2, 16), v_ex + 0.3 * torch.randn(S, 2, 16)
+    return q, k_ex, v_ex, k_dec, v_dec
+
+
+def _per_query_reference(q, k_ex, v_ex, k_dec, v_dec, sink, recent):
+    """Plain attention per query over its own mix of exact and decoded keys (codec.attention_dense)."""
+    from sglang_tasq.windows import query_window
+
+    Tq, S = q.shape[0], k_ex.shape[0]
+    q_pos, k_pos = torch.arange(S - Tq, S), torch.arange(S)
+    ex = query_window(q_pos, k_pos, sink, recent)
+    out = []
+    for i in range(Tq):
+        m = ex[i][:, None, None]
+        out.append(codec.attention_dense(q[i:i + 1], q_pos[i:i + 1], torch.where(m, k_ex, k_dec),
+                                         torch.where(m, v_ex, v_dec), k_pos, 0.25, causal=True))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("Tq,S,sink,recent,block", CHUNKS)
 def test_windowed_attention_matches_per_query_reference(Tq, S, sink, recent, block):
-    """The extend path's mixed attention (query i reads key j from the exact k/v iff
+    """The CUDA extend path's mixed attention (query i reads key j from the exact k/v iff
     j < sink or j >= i + 1 - recent, from the decoded ones otherwise), computed in query
     blocks, equals plain attention per query over its own mix of keys; with every key exact
     it is the all-exact SDPA path."""
     from sglang_tasq.srt.backend import _windowed_attention
     from sglang_tasq.windows import query_window
 
-    torch.manual_seed(Tq * S + sink + recent)
-    q = torch.randn(Tq, 6, 16)
-    k_ex, v_ex = torch.randn(S, 2, 16), torch.randn(S, 2, 16)
-    k_dec, v_dec = k_ex + 0.3 * torch.randn(S, 2, 16), v_ex + 0.3 * torch.randn(S, 2, 16)
+    q, k_ex, v_ex, k_dec, v_dec = _mixed_case(Tq, S, Tq * S + sink + recent)
     q_pos, k_pos = torch.arange(S - Tq, S), torch.arange(S)
     ex = query_window(q_pos, k_pos, sink, recent)
     causal = k_pos[None, :] <= q_pos[:, None]
     got = _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, 0.25, block=block)
-    for i in range(Tq):
-        m = ex[i][:, None, None]
-        k = torch.where(m, k_ex, k_dec)
-        v = torch.where(m, v_ex, v_dec)
-        ref = codec.attention_dense(q[i:i + 1], q_pos[i:i + 1], k, v, k_pos, 0.25, causal=True)
-        torch.testing.assert_close(got[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _per_query_reference(q, k_ex, v_ex, k_dec, v_dec, sink, recent),
+                               rtol=1e-5, atol=1e-5)
     full = torch.ones_like(causal)
     torch.testing.assert_close(_windowed_attention(q, k_ex, v_ex, k_dec, v_dec, full & causal, causal, 0.25, block),
                                _sdpa(q, k_ex, v_ex, 0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("Tq,S,sink,recent,block", CHUNKS)
+def test_windowed_prefill_matches_per_query_reference(Tq, S, sink, recent, block):
+    """The CPU extend path (two disjoint key sets per aligned query block, merged by their
+    log-sum-exp) equals plain attention per query over its own mix of keys: to fp32 rounding in
+    fp32, to bf16 rounding in bf16 (the model dtype it runs in inside the server)."""
+    from sglang_tasq.srt.backend import windowed_prefill
+
+    q, k_ex, v_ex, k_dec, v_dec = _mixed_case(Tq, S, Tq * S + sink + recent)
+    ref = _per_query_reference(q, k_ex, v_ex, k_dec, v_dec, sink, recent)
+    got = windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink, recent, 0.25, block=block)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    got16 = windowed_prefill(q.bfloat16(), k_ex, v_ex, k_dec, v_dec, sink, recent, 0.25, block=block)
+    assert got16.dtype == torch.float32
+    assert float((got16 - ref).norm() / ref.norm()) < 8e-3  # bf16 inputs and block outputs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_windowed_prefill_rows_do_not_depend_on_the_chunking(dtype):
+    """A query's attention row is bit-identical whether its prompt is prefilled in one chunk, in
+    chunks cut anywhere, or after a cached prefix of any length (whole aligned blocks: the kernel
+    sees the same shapes for every row)."""
+    from sglang_tasq.srt.backend import windowed_prefill
+
+    S = 1100
+    q, k_ex, v_ex, k_dec, v_dec = _mixed_case(S, S, 7)
+    q = q.to(dtype)
+    whole = windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, 64, 256, 0.25)
+    for cuts in ([256], [700], [1, 300, 1099], [255, 513, 769]):
+        bounds = [0] + cuts + [S]
+        parts = [windowed_prefill(q[a:b], k_ex[:b], v_ex[:b], k_dec[:b], v_dec[:b], 64, 256, 0.25)
+                 for a, b in zip(bounds, bounds[1:])]
+        assert torch.equal(torch.cat(parts), whole), cuts

@@ -161,8 +161,10 @@ class TaSQAttnBackend(AttentionBackend):
             j = torch.arange(P, device=q.device)
             need = (j < sink) | (j >= P + 1 - recent)
             pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
+        # the chunk's keys as the exact store keeps them (bf16 of the pre-RoPE key): a window key
+        # has one rounding whether this forward wrote it or an earlier one (cold == warm)
+        k_ex[P:] = rotate(chunk[0], cos[P:], sin[P:], inverse=True).to(torch.bfloat16).float()
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
-        k_ex[P:] = chunk[0].float()
         v_ex[P:] = chunk[1].float()
         return windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink, recent, layer.scaling)
 

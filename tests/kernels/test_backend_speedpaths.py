@@ -209,3 +209,55 @@ def test_windowed_prefill_rows_do_not_depend_on_the_chunking(dtype):
         parts = [windowed_prefill(q[a:b], k_ex[:b], v_ex[:b], k_dec[:b], v_dec[:b], 64, 256, 0.25)
                  for a, b in zip(bounds, bounds[1:])]
         assert torch.equal(torch.cat(parts), whole), cuts
+
+
+class _Extend:
+    def is_decode(self):
+        return False
+
+
+def _extend(backend, row: int, P: int, S: int, q, k, v, layer):
+    """One extend of positions P..S-1 of request ``row`` (slots 1..S) through the real backend:
+    store the chunk's k/v, then attend -> [S - P, Hq * d]."""
+    import types
+
+    Tq = S - P
+    fb = types.SimpleNamespace(seq_lens=torch.tensor([S]), extend_seq_lens=torch.tensor([Tq]),
+                               req_pool_indices=torch.tensor([row]), positions=torch.arange(P, S),
+                               out_cache_loc=torch.arange(P + 1, S + 1), forward_mode=_Extend())
+    backend.init_forward_metadata(fb)
+    return backend._forward(q[P:S], k[P:S], v[P:S], layer, fb, True)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_extend_rows_are_the_same_cold_chunked_and_warm(kernels):
+    """The backend's extend through a real pool (codes and exact store written by the forward
+    itself): a prompt prefilled in one chunk, in chunks of 256 and of odd sizes, or as its last
+    tokens over a prefix an earlier forward wrote (a radix hit), gives bit-identical attention
+    rows: window keys are attended with the store's rounding whoever wrote them, and every
+    block is computed whole."""
+    import types
+
+    from _pools import make_backend, make_pool
+
+    cfg = TaSQConfig(codebook_size_k=256, codebook_size_v=256, sink_window=8, recent_window=40)
+    cb = random_codebooks(num_layers=1, num_kv_heads=3, head_dim=32, config=cfg, seed=5)
+    S = 600
+    layer = types.SimpleNamespace(tp_q_head_num=9, tp_k_head_num=3, qk_head_dim=32, v_head_dim=32, layer_id=0,
+                                  scaling=32 ** -0.5)
+    torch.manual_seed(0)
+    q = torch.randn(S, 9 * 32).bfloat16()
+    k, v = (2 * torch.randn(S, 3 * 32)).bfloat16(), torch.randn(S, 3 * 32).bfloat16()
+
+    def served(cuts):
+        pool = make_pool(cb, size=S + 8, window_rows=2, cpu_kernels=kernels)
+        backend = make_backend(pool, req_rows=2, max_context_len=S + 8)
+        backend.req_to_token_pool.req_to_token[1, :S] = torch.arange(1, S + 1)
+        pool._live[1] = (0, 0)
+        bounds = [0] + cuts + [S]
+        return torch.cat([_extend(backend, 1, a, b, q, k, v, layer) for a, b in zip(bounds, bounds[1:])])
+
+    cold = served([])
+    assert torch.isfinite(cold).all()
+    for cuts in ([256, 512], [1, 77, 300], [S - 1], [S - 5]):
+        assert torch.equal(served(cuts), cold), cuts

@@ -14,9 +14,12 @@ calibrated artifact's codebooks, SmolLM2-135M shapes (30 layers, 9 query / 3 KV 
   gather of its K/V by slot and ``scaled_dot_product_attention`` (GQA), as ``torch_native``.
 
 Only attention and KV writes are timed (no GEMMs): the figure is the attention-side cost per
-decode step. Writes ``cpu_step.json`` and ``cpu_step.md`` under ``--out``
-(default ``bench/results/cpu_step/``). Usage: ``python -m bench.cpu_step [--ctx 1024]
-[--batch 1 4] [--reps 7]``.
+decode step. Next to each time: the bytes a step must read (:func:`step_bytes`: the cache's codes,
+window entries and per-token indices, and for TaSQ each layer's codebooks once; bf16: its K/V),
+the effective GB/s, and its share of the machine's memory read bandwidth measured in the same
+run (:func:`read_bandwidth`). Writes ``cpu_step.json`` and ``cpu_step.md`` under ``--out``
+(default ``bench/results/cpu_step/``). Usage: ``python -m bench.cpu_step [--ctx 1024 4096 8192]
+[--batch 1 8] [--reps 5] [--tables-ablation]`` (the ablation adds ``tasq_separate_tables``).
 """
 from __future__ import annotations
 
@@ -73,10 +76,11 @@ def _tasq_setup(art, B: int, ctx: int, share: bool):
                 extend_prefix_lens=torch.zeros(B, dtype=torch.int32), extend_seq_lens=torch.full((B,), ctx, dtype=torch.int32),
                 positions=torch.arange(ctx).repeat(B), out_cache_loc=loc, forward_mode=ForwardMode.EXTEND)
     be.init_forward_metadata(fb)
-    for layer in layers:  # prefill through the backend: codes and rings hold real encodes
+    md = be.forward_metadata
+    for layer in layers:  # the prompt's KV stored as a prefill stores it: real encodes, window entries
         k = torch.randn(B * ctx, H * D, generator=gen).bfloat16()
-        be._forward(torch.randn(B * ctx, HQ * D, generator=gen).bfloat16(), k, torch.randn(B * ctx, H * D, generator=gen).bfloat16(),
-                    layer, fb, True)
+        pool.set_kv_buffer(layer, loc, k, torch.randn(B * ctx, H * D, generator=gen).bfloat16(), positions=md["positions"],
+                           req_rows=md["rows"], seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
     new = torch.arange(1 + B * ctx, 1 + B * ctx + B)
     for b in range(B):
         r2t.req_to_token[rows[b], ctx] = int(new[b])
@@ -131,12 +135,42 @@ def measure(steps: dict, reps: int, per_rep: int = 3) -> dict:
     return {k: {"median_ms": round(statistics.median(v), 2), "ms": [round(x, 2) for x in v]} for k, v in times.items()}
 
 
+def step_bytes(cfg, B: int, S: int) -> dict:
+    """Bytes one decode step at kv length ``S`` must read, per method (all layers): TaSQ the codes
+    of the tokens read from codes, the bf16 window entries of the others, an 8-byte slot index and
+    entry index per token, and each layer's fp32 codebooks once (``codebooks``, shared by the
+    batch); bf16 its K/V and the slot index."""
+    from sglang_tasq import packing
+
+    kc, ks, vc = packing.row_bytes(cfg, H, D)
+    win = min(S, cfg.sink_window + cfg.recent_window)
+    exact = 2 * H * D * 2  # bf16 K + V of one token in one layer
+    books = (cfg.codebook_size_k * H * (D // cfg.group_size_k) * cfg.group_size_k
+             + cfg.codebook_size_v * H * (D // cfg.group_size_v) * cfg.group_size_v) * 4
+    kv = B * L * ((S - win) * (kc + ks + vc) + win * exact) + B * S * 16
+    return {"tasq": kv + L * books, "tasq_codebooks": L * books, "bf16": B * (L * S * exact + S * 8)}
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """The machine's memory read bandwidth, GB/s: best of ``reps`` full reads (``sum``) of a
+    ``gib`` GiB float32 tensor with the benchmark's threads (larger than the caches)."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        float(x.sum())
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_step", description=__doc__.split("\n")[0])
     ap.add_argument("--tasq-config", type=Path, default=None)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tables-ablation", action="store_true",
+                    help="also time the decode kernel with its own copy of the codebook tables")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     path = a.tasq_config or next((p for p in DEFAULT_ARTIFACTS if p.is_file()), None)
@@ -151,31 +185,56 @@ def main(argv=None) -> int:
     if art.codebooks.k_codebook.shape[:2] != (L, H):
         ap.error(f"{path}: not a SmolLM2-135M artifact (layers/KV heads {tuple(art.codebooks.k_codebook.shape[:2])})")
     cpu.set_threads()
+    bw = read_bandwidth()
+    print(f"[cpu_step] memory read bandwidth {bw:.1f} GB/s", flush=True)
     rows = []
-    for B in a.batch:
-        print(f"[cpu_step] batch {B} x {a.ctx} tokens", flush=True)
-        steps = {"tasq": _tasq_setup(art, B, a.ctx, True), "tasq_separate_tables": _tasq_setup(art, B, a.ctx, False),
-                 "bf16": _bf16_setup(B, a.ctx)}
-        res = measure(steps, a.reps)
-        rows.append({"batch": B, "ctx": a.ctx, **res,
-                     "tasq_vs_bf16": round(res["tasq"]["median_ms"] / res["bf16"]["median_ms"], 2),
-                     "separate_vs_shared": round(res["tasq_separate_tables"]["median_ms"] / res["tasq"]["median_ms"], 2)})
+    for ctx in a.ctx:
+        for B in a.batch:
+            print(f"[cpu_step] batch {B} x {ctx} tokens", flush=True)
+            steps = {"tasq": _tasq_setup(art, B, ctx, True), "bf16": _bf16_setup(B, ctx)}
+            if a.tables_ablation:
+                steps["tasq_separate_tables"] = _tasq_setup(art, B, ctx, False)
+            res = measure(steps, a.reps)
+            nb = step_bytes(art.config, B, ctx + 1)
+            row = {"batch": B, "ctx": ctx, **res, "bytes": nb,
+                   "tasq_vs_bf16": round(res["tasq"]["median_ms"] / res["bf16"]["median_ms"], 3)}
+            for m in ("tasq", "bf16"):
+                gbs = nb[m] / (res[m]["median_ms"] * 1e-3) / 1e9
+                row[m + "_gb_s"], row[m + "_bw_share"] = round(gbs, 2), round(gbs / bw, 3)
+            if a.tables_ablation:
+                row["separate_vs_shared"] = round(res["tasq_separate_tables"]["median_ms"] / res["tasq"]["median_ms"], 2)
+            rows.append(row)
+            del steps
     out = {"hardware": hardware(), "torch_threads": torch.get_num_threads(), "artifact": os.path.relpath(path, ROOT),
-           "model_shapes": dict(layers=L, q_heads=HQ, kv_heads=H, head_dim=D), "rows": rows}
+           "read_bandwidth_gb_s": round(bw, 1), "model_shapes": dict(layers=L, q_heads=HQ, kv_heads=H, head_dim=D),
+           "rows": rows}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "cpu_step.json").write_text(json.dumps(out, indent=1) + "\n")
+    md = to_markdown(out, a.reps)
+    (a.out / "cpu_step.md").write_text(md)
+    print(md)
+    return 0
+
+
+def to_markdown(out: dict, reps: int) -> str:
     hw = out["hardware"]
     md = [f"# CPU decode step (attention side, {L} layers, SmolLM2-135M shapes)", "",
-          f"Hardware: {hw['cpu']}, {hw['cores']} cores, torch {torch.__version__}, {out['torch_threads']} threads. "
-          f"Artifact: {out['artifact']}. Median of {a.reps} alternating reps (3 steps each).", "",
-          "| batch x ctx | TaSQ ms/step | TaSQ, separate tables | bf16 gather + SDPA | TaSQ / bf16 | separate / shared |",
-          "|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['batch']} x {r['ctx']} | {r['tasq']['median_ms']} | {r['tasq_separate_tables']['median_ms']} | "
-                  f"{r['bf16']['median_ms']} | {r['tasq_vs_bf16']}x | {r['separate_vs_shared']}x |")
-    (a.out / "cpu_step.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0
+          f"Hardware: {hw['cpu']}, {hw['cores']} cores, torch {torch.__version__}, {out['torch_threads']} threads; "
+          f"memory read bandwidth {out['read_bandwidth_gb_s']} GB/s (1 GiB sum, same run). Artifact: {out['artifact']}. "
+          f"Median of {reps} alternating reps (3 steps each). Bytes: what a step must read (TaSQ: codes, window "
+          f"entries, indices and each layer's codebooks once; bf16: K/V).", "",
+          "| batch x ctx | TaSQ ms/step | bf16 ms/step | TaSQ / bf16 | TaSQ MB/step (codebooks) | bf16 MB/step | "
+          "TaSQ GB/s (% of bw) | bf16 GB/s (% of bw) |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        b = r["bytes"]
+        md.append(f"| {r['batch']} x {r['ctx']} | {r['tasq']['median_ms']} | {r['bf16']['median_ms']} | "
+                  f"{r['tasq_vs_bf16']}x | {b['tasq'] / 1e6:.1f} ({b['tasq_codebooks'] / 1e6:.1f}) | {b['bf16'] / 1e6:.1f} | "
+                  f"{r['tasq_gb_s']} ({100 * r['tasq_bw_share']:.0f}%) | {r['bf16_gb_s']} ({100 * r['bf16_bw_share']:.0f}%) |")
+    if any("separate_vs_shared" in r for r in out["rows"]):
+        md += ["", "Decode tables ablation (the kernel's own copy of each layer's codebooks), separate / shared: "
+               + ", ".join(f"{r['batch']} x {r['ctx']}: {r['separate_vs_shared']}x" for r in out["rows"])]
+    return "\n".join(md) + "\n"
 
 
 if __name__ == "__main__":

@@ -26,3 +26,25 @@ def test_steps_run_and_measure_reports_medians():
     assert all(np.shares_memory(shared._decode_tables[i].kcb, enc.prepared(i)[0][2]) for i in range(cpu_step.L))
     assert not any(np.shares_memory(separate._decode_tables[i].kcb, separate.pool._encoder.prepared(i)[0][2])
                    for i in range(cpu_step.L))
+
+
+def test_step_bytes_counts_codes_windows_indices_and_codebooks():
+    """SmolLM2's default artifact shape (3 KV heads of 64, 8-dim groups, 1024 codewords, 62 code
+    bytes per token and layer, sink 64 + recent 256): the bytes a decode step reads, by hand."""
+    cfg = TaSQConfig(codebook_size_k=1024, codebook_size_v=1024)
+    b = cpu_step.step_bytes(cfg, B=2, S=1025)
+    books = 30 * 2 * (1024 * 3 * 8 * 8 * 4)
+    assert b["tasq_codebooks"] == books == 47_185_920
+    assert b["tasq"] == 2 * 30 * (705 * 62 + 320 * 768) + 2 * 1025 * 16 + books
+    assert b["bf16"] == 2 * (30 * 1025 * 768 + 1025 * 8)
+    short = cpu_step.step_bytes(cfg, B=1, S=100)  # every token inside the windows
+    assert short["tasq"] - short["tasq_codebooks"] == 30 * 100 * 768 + 100 * 16
+
+
+def test_markdown_table_names_bandwidth_and_rows():
+    out = {"hardware": {"cpu": "X", "cores": 2}, "torch_threads": 2, "artifact": "a/tasq.json", "read_bandwidth_gb_s": 20.0,
+           "rows": [{"batch": 1, "ctx": 1024, "tasq": {"median_ms": 10.0}, "bf16": {"median_ms": 20.0}, "tasq_vs_bf16": 0.5,
+                     "bytes": {"tasq": 5e7, "tasq_codebooks": 4e7, "bf16": 2e7}, "tasq_gb_s": 5.0, "tasq_bw_share": 0.25,
+                     "bf16_gb_s": 1.0, "bf16_bw_share": 0.05}]}
+    md = cpu_step.to_markdown(out, 5)
+    assert "20.0 GB/s" in md and "| 1 x 1024 | 10.0 | 20.0 | 0.5x | 50.0 (40.0) | 20.0 | 5.0 (25%) | 1.0 (5%) |" in md

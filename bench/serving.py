@@ -11,7 +11,8 @@ RAM free before loading, then ``max_total_num_tokens = budget // cell_size``
 window rings as fixed bytes). Free RAM moves on a shared host, so ``--kv-budget-mib B`` fixes
 B: every server gets the same ``--mem-fraction-static`` and ``--max-total-tokens (B - fixed) //
 cell``; the tokens and KV bytes each server got are read back from it (``--kv-budget-mib 0``:
-SGLang's own sizing). Radix cache off everywhere.
+SGLang's own sizing). The radix cache is on, as a server runs by default (random-id prompts share no
+prefix, so it reuses nothing here).
 
 Results: one folder per workload, ``bench/results/serving/<run>/`` (``--results ROOT`` moves
 the root, ``--out DIR`` names the folder itself), where ``<run>`` is a readable slug of the
@@ -60,7 +61,11 @@ KEY_FIELDS = ("input_len", "output_len", "num_prompts", "concurrency", "kv_budge
 PRESETS = {
     "quick": dict(input_len=1024, output_len=32, num_prompts=4, concurrency=[1, 4, 8], kv_budget_mib=96, window_rows=4),
     "full": dict(input_len=2048, output_len=128, num_prompts=32, concurrency=[1, 4, 16, 32], kv_budget_mib=512,
-                 window_rows=32)}
+                 window_rows=32),
+    # long prompts, the paper's shape: 400 MiB hold 4 bf16 requests of 4096 + 128 tokens (18,204 slots)
+    # and 16 TaSQ ones (16 rows' windows, 213 MB, + 110k slots of codes); concurrency 4 is equal batch
+    "long": dict(input_len=4096, output_len=128, num_prompts=16, concurrency=[4, 8, 16], kv_budget_mib=400,
+                 window_rows=16)}
 
 
 def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int) -> dict:
@@ -88,7 +93,7 @@ def budget_tokens(budget_bytes: int, cell: int, fixed: int = 0) -> int:
 def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None) -> list:
     """The ``sglang.launch_server`` command line of server ``name`` (bf16, fp8 or tasq)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--device", "cpu",
-           "--disable-cuda-graph", "--disable-radix-cache", "--host", "127.0.0.1", "--port", str(port),
+           "--disable-cuda-graph", "--host", "127.0.0.1", "--port", str(port),
            "--mem-fraction-static", str(a.mem_fraction_static)]
     cmd += ["--max-total-tokens", str(max_tokens)] if max_tokens else []
     cmd += ["--sleep-on-idle"] if getattr(a, "paired", False) else []
@@ -283,6 +288,8 @@ def run_servers(todo: list, model_dir: Path, a, cells: dict, caps: dict, save) -
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small CPU preset: " + json.dumps(PRESETS["quick"]))
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="a workload preset (flags given override its fields): " + json.dumps(PRESETS))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tasq-config", type=Path, default=None,
                     help="TaSQ artifact (default: the first of %s that exists)" % [str(p.relative_to(ROOT)) for p in DEFAULT_ARTIFACTS])
@@ -304,7 +311,9 @@ def parse_args(argv=None):
     ap.add_argument("--paired", action="store_true",
                     help="all servers up at once, measured back to back each round; reports per-round TaSQ/bf16 ratios")
     a = ap.parse_args(argv)
-    a.preset = "quick" if a.quick else "full"
+    if a.quick and a.preset not in (None, "quick"):
+        ap.error(f"--quick and --preset {a.preset} name two presets")
+    a.preset = "quick" if a.quick else (a.preset or "full")
     for k, v in PRESETS[a.preset].items():
         setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
     a.kv_budget_mib = int(a.kv_budget_mib) if float(a.kv_budget_mib).is_integer() else a.kv_budget_mib

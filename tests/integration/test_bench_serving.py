@@ -55,6 +55,19 @@ def test_kv_cells_match_pool_sizing(smol, artifact):
     assert "tasq" not in serving.kv_cells(smol, None, 4)
 
 
+def test_long_preset_holds_a_few_bf16_requests_and_many_tasq_ones(smol, artifact):
+    """The long-prompt preset's budget: 4 bf16 requests of 4096 + 128 tokens, the 16 TaSQ requests
+    its window rows allow (codes and windows inside the same 400 MiB); flags override it."""
+    a = serving.parse_args(["--preset", "long", "--servers", "bf16", "tasq", "--tasq-config", str(artifact)])
+    assert (a.input_len, a.output_len, a.concurrency, a.kv_budget_mib, a.window_rows) == (4096, 128, [4, 8, 16], 400, 16)
+    cells = serving.kv_cells(smol, artifact, a.window_rows)
+    fit = {m: serving_report.requests_that_fit(serving.budget_tokens(400 * 2**20, *cells[m]), 4096, 128) for m in cells}
+    assert fit["bf16"] == 4 and fit["tasq"] >= 16
+    assert serving.parse_args(["--preset", "long", "--servers", "bf16", "--concurrency", "2"]).concurrency == [2]
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--quick", "--preset", "long", "--servers", "bf16"])
+
+
 def test_server_cmd_per_kind(tmp_path, artifact):
     a = serving.parse_args(["--quick", "--servers", "bf16", "fp8", "tasq", "--tasq-config", str(artifact),
                             "--out", str(tmp_path)])
@@ -63,7 +76,7 @@ def test_server_cmd_per_kind(tmp_path, artifact):
     bf16 = serving.server_cmd("bf16", model, 1234, a, 4369)
     assert bf16[bf16.index("--max-total-tokens") + 1] == "4369"
     assert bf16[bf16.index("--attention-backend") + 1] == "torch_native"
-    assert "--disable-radix-cache" in bf16 and "127.0.0.1" in bf16 and "--kv-cache-dtype" not in bf16
+    assert "--disable-radix-cache" not in bf16 and "127.0.0.1" in bf16 and "--kv-cache-dtype" not in bf16  # radix on
     fp8 = serving.server_cmd("fp8", model, 1234, a, None)
     assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and "--max-total-tokens" not in fp8
     tasq = serving.server_cmd("tasq", model, 1234, a, 50000)

@@ -19,7 +19,7 @@ Modules (split the way the CUDA half of :mod:`numba_kernels` is):
 - ``search``: nearest-codeword kernels (codeword-vector, lane, one-row) and
   :func:`prepare` / :func:`nearest` (cached per layer by ``codec.LayerNearest``).
 - ``bitpack``: the one Numba bit-pack loop (``_pack_row``, used by :func:`pack` and the fused
-  encoder's row writer), :func:`pack` / :func:`unpack`, ``_codes_of`` (the decode kernel's reader).
+  encoder's row writer), :func:`pack` / :func:`unpack`, ``_codes_row`` (the decode kernel's reader).
 - ``decode``: the split-K decode attention kernel and ``_window_entry`` (the Numba twin of
   ``sglang_tasq.windows.in_window``).
 - ``encode``: the fused pool encode kernels (key un-rotation and tailoring, row writer, the
@@ -35,7 +35,7 @@ module's source file only: after editing a module whose functions others inline 
 functions and ``numba_kernels.cpu.search`` / ``.bitpack`` the modules, unambiguously.)
 """
 from ._common import _SERIAL_BELOW, set_threads  # noqa: F401  (_SERIAL_BELOW: tests)
-from .bitpack import _codes_of, pack, unpack  # noqa: F401  (_codes_of: tests)
+from .bitpack import _codes_row, pack, unpack  # noqa: F401  (_codes_row: tests)
 from .decode import _window_entry  # noqa: F401  (the window-rule twin: tests)
 from .encode import _encode_small  # noqa: F401
 from .ops import SPLIT_TOKENS, DecodePlan, DecodeTables, PoolEncoder, decode_attention

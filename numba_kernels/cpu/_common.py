@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # Sentinel of the running minima / maxima: fastmath=True lets LLVM assume no infinities (ninf),
@@ -85,3 +86,63 @@ def _np(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 def _u16(t: torch.Tensor) -> np.ndarray:
     """A 16-bit float tensor's bits as a uint16 numpy array (no copy when contiguous)."""
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """int32 bits -> float32 (bit cast: the 2**n of the decode kernel's vectorized exp)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Prefetch the cache line of ``arr[idx]`` (idx a tuple of intp, one per dimension) for
+    reading (``llvm.prefetch``; a hint: no fault, no effect on results)."""
+    if not isinstance(arr, types.Array) or not isinstance(idx, types.UniTuple) or idx.count != arr.ndim:
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = cgutils.unpack_tuple(builder, args[1], aryty.ndim)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False, boundscheck=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, idx), codegen
+
+
+def _make_copy(width: int):
+    """An intrinsic ``copy(dst, didx, src, sidx)``: the ``width`` float32 elements from
+    ``src[sidx]`` on (along its last, contiguous dimension) to ``dst[didx]`` on, as one LLVM
+    vector load and store (Numba leaves the SLP vectorizer off, so short contiguous copies in
+    loops otherwise stay scalar). idx: tuples of intp, one per dimension; no bounds checks."""
+    @intrinsic
+    def copy(typingctx, dst, didx, src, sidx):
+        for a, i in ((dst, didx), (src, sidx)):
+            if (not isinstance(a, types.Array) or a.dtype != types.float32 or not isinstance(i, types.UniTuple)
+                    or i.count != a.ndim):
+                return None
+
+        def codegen(context, builder, signature, args):
+            ptrs = []
+            for aty, a, ity, i in zip(signature.args[::2], args[::2], signature.args[1::2], args[1::2]):
+                ary = context.make_array(aty)(context, builder, a)
+                inds = cgutils.unpack_tuple(builder, i, aty.ndim)
+                ptrs.append(cgutils.get_item_pointer(context, builder, aty, ary, inds, wraparound=False,
+                                                     boundscheck=False))
+            vty = ir.VectorType(ir.FloatType(), width)
+            v = builder.load(builder.bitcast(ptrs[1], vty.as_pointer()), align=4)
+            builder.store(v, builder.bitcast(ptrs[0], vty.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(dst, didx, src, sidx), codegen
+    return copy
+
+
+_copy4 = _make_copy(4)
+_copy8 = _make_copy(8)

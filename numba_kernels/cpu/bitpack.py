@@ -3,7 +3,7 @@
 ``[i*bits, (i+1)*bits)`` of a little-endian row bit stream).
 
 ``_pack_row`` is the one packing loop: :func:`pack` runs it per token, the fused encoder's row
-writer (:mod:`.encode`) per pool row. ``_codes_of`` is the decode kernel's one-pass reader of
+writer (:mod:`.encode`) per pool row. ``_codes_row`` is the decode kernel's one-pass reader of
 a run of codes of a packed row.
 """
 from __future__ import annotations
@@ -80,8 +80,8 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 
 
 @njit(cache=True, inline="always")
-def _codes_of(buf2d, slot, first, n, bits, out):
-    """out[:n] = codes first..first+n-1 of packed row ``slot`` (bits <= 56), each byte read
+def _codes_row(buf2d, slot, first, n, bits, out, i):
+    """out[i, :n] = codes first..first+n-1 of packed row ``slot`` (bits <= 56), each byte read
     once, in order; never reads past the byte holding the last code's top bit."""
     pos = first * bits
     byte = pos >> 3
@@ -94,6 +94,6 @@ def _codes_of(buf2d, slot, first, n, bits, out):
             acc |= np.int64(buf2d[slot, byte]) << nacc
             byte += 1
             nacc += 8
-        out[j] = acc & mask
+        out[i, j] = acc & mask
         acc >>= bits
         nacc -= bits

@@ -1,6 +1,7 @@
 """Decode attention over the packed pool: the split-K kernel ``_decode_attention`` (one query
 per request at position ``S - 1``; keys and values decoded from their codes, or read from the
-bf16 exact-store entry inside the window) and ``_window_entry``, the window rule in Numba.
+bf16 exact-store entry inside the window), ``_window_entry``, the window rule in Numba, and
+the kernel's vectorizable float32 exp ``_exp_le0``.
 Launched through :class:`~numba_kernels.cpu.ops.DecodePlan`.
 """
 from __future__ import annotations
@@ -10,8 +11,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import _BIG, _bf16_bits_to_f32, _half_bits_to_f32
-from .bitpack import _codes_of
+from ._common import _BIG, _bf16_bits_to_f32, _copy4, _copy8, _f32_from_bits, _half_bits_to_f32, _prefetch
+from .bitpack import _codes_row
 
 
 @njit(cache=True, inline="always")
@@ -30,6 +31,30 @@ def _window_entry(entry_of, slot, t, S, sink, recent):
     return -1
 
 
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(cache=True, inline="always", fastmath=True)
+def _exp_le0(x):
+    """exp(x) for x <= 0 in float32 (about 1 ulp; exp(-87) for x below -87, negligible next to
+    the softmax's largest term 1): Cody-Waite reduction, a degree-6 polynomial and the power of
+    two through the exponent bits. Branch-free, so a loop over it vectorizes (no SVML)."""
+    x = max(x, np.float32(-87.0))
+    n = np.float32(math.floor(x * _LOG2E + np.float32(0.5)))
+    r = x - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
                       scale_mode, cos_t, sin_t, entry_of, win_k, win_v, sink, recent, sm_scale,
@@ -38,17 +63,24 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
     request's end is empty), so a batch of one still fills every thread, and a request's
     answer depends on its own tokens only, not on the batch it runs in (batch invariance).
-    Keys are decoded in the permuted in-group layout from the tailored codebook ``kcb`` (the
-    encoder's own array, so a decode step reads each codebook once; ``kw`` [H, d] the weight of
-    each permuted element, divided out through the query) as the
-    first and second elements of each RoPE pair, and the rotation at the token's position is
-    folded into the dot with every query head of the GQA group (one flat loop over pairs),
-    then scaled; fp32 softmax; values decoded and accumulated per group. Each split leaves its
-    max logit, exp-sum and unnormalized output in part_m/part_l/part_o; a second pass merges
-    the splits. Each token's codes are unpacked in one pass over its bytes. A token inside the
-    window of S is read from its slot's bf16 exact-store entry (``entry_of[slot]``, 0 = none;
-    ``win_k``/``win_v`` [E + 1, 1, H, d]) in native pair order (no permutation to gather). The key
-    row's scales follow its codes: head h reads scale ``h // (H / n_scales)``. fastmath: sums are reassociated (vectorized)."""
+
+    Three passes per item. (1) Per token: the window rule, the key scale, the key and value
+    codes (unpacked once, kept for the passes below) and a prefetch of every codeword the
+    token reads: a layer's codebooks are not in cache when its step starts, and issuing all
+    of a split's codeword loads up front lets them overlap instead of stalling one token at a
+    time. (2) Keys decoded in the permuted in-group layout from the tailored codebook ``kcb``
+    (the encoder's own array, so a decode step reads each codebook once; ``kw`` [H, d] the
+    weight of each permuted element, divided out through the query) as the first and second
+    elements of each RoPE pair (vector copies of the codeword halves when g = 8), the rotation
+    at the token's position folded into the dot with every query head of the GQA group (one
+    flat loop over pairs), then scaled; fp32 softmax (a branch-free exp that vectorizes).
+    (3) Values decoded (vector copies of the codewords when g = 8) and accumulated, one
+    d-long axpy per query head. Each split leaves its max logit, exp-sum and unnormalized
+    output in part_m/part_l/part_o; a serial merge after the parallel loop combines them (no
+    second thread launch). A token inside the window of S is read from its slot's bf16
+    exact-store entry (``entry_of[slot]``, 0 = none; ``win_k``/``win_v`` [E + 1, 1, H, d]) in
+    native pair order (no permutation to gather). The key row's scales follow its codes: head
+    h reads scale ``h // (H / n_scales)``. fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
@@ -64,6 +96,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         S = indptr[b + 1] - beg
         t_lo = min(S, (item - bh * nsplit) * chunk)
         t_hi = min(S, t_lo + chunk)
+        nt = t_hi - t_lo
+        na = max(nt, 1)
         P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
         # the query's first / second element of each permuted pair, over the codeword weight of
         # the first (qa, qb2) or second (qb, qa2) element: codewords are read in the tailored
@@ -86,22 +120,42 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     qb[r, p] = xb / wb
                     qa2[r, p] = xa / wb
                     qb2[r, p] = xb / wa
-        logits = np.empty((rep, max(t_hi - t_lo, 1)), np.float32)
-        na = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
-        nb = np.empty((rep, P), np.float32)
+        na_ = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
+        nb_ = np.empty((rep, P), np.float32)
         for r in range(rep):
             for p in range(P):
-                na[r, p] = q[b, h * rep + r, p]
-                nb[r, p] = q[b, h * rep + r, P + p]
-        zs = np.empty(max(Gk, Gv), np.int64)
+                na_[r, p] = q[b, h * rep + r, p]
+                nb_[r, p] = q[b, h * rep + r, P + p]
+        # pass 1: each token's window entry, key scale and codes, its codewords prefetched (a
+        # layer's codebooks are not in cache: the loads of the passes below then overlap)
+        wid = np.empty(na, np.int64)
+        sc = np.empty(na, np.float32)
+        zk = np.empty((na, Gk), np.int64)
+        zv = np.empty((na, Gv), np.int64)
+        for i in range(nt):
+            slot = indices[beg + t_lo + i]
+            w = _window_entry(entry_of, slot, t_lo + i, S, sink, recent)
+            wid[i] = w
+            if w < 0:
+                s = np.float32(1.0)
+                if scale_mode != 0:  # shared: head h reads its group's scale; per_head: its own
+                    o = code_bytes_k + 2 * (h // hps)
+                    s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
+                sc[i] = s * sm_scale
+                _codes_row(kbuf, slot, h * Gk, Gk, bits_k, zk, i)
+                _codes_row(vbuf, slot, h * Gv, Gv, bits_v, zv, i)
+                for j in range(Gk):
+                    _prefetch(kcb, (h, j, zk[i, j], 0))
+                for j in range(Gv):
+                    _prefetch(vcb, (h, j, zv[i, j], 0))
+        logits = np.empty((rep, na), np.float32)
         ka = np.empty(P, np.float32)
         kb_ = np.empty(P, np.float32)
         cs = np.empty(P, np.float32)
         sn_ = np.empty(P, np.float32)
-        for t in range(t_lo, t_hi):
-            slot = indices[beg + t]
-            widx = _window_entry(entry_of, slot, t, S, sink, recent)
-            s = np.float32(1.0)
+        for i in range(nt):
+            t = t_lo + i
+            widx = wid[i]
             if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
                 for p in range(P):
                     ka[p] = _bf16_bits_to_f32(win_k[widx, 0, h, p])
@@ -109,63 +163,64 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                 for r in range(rep):
                     acc = np.float32(0.0)
                     for p in range(P):
-                        acc += cos_t[t, p] * (na[r, p] * ka[p] + nb[r, p] * kb_[p]) + sin_t[t, p] * (nb[r, p] * ka[p] - na[r, p] * kb_[p])
-                    logits[r, t - t_lo] = acc * sm_scale
+                        acc += cos_t[t, p] * (na_[r, p] * ka[p] + nb_[r, p] * kb_[p]) + sin_t[t, p] * (nb_[r, p] * ka[p] - na_[r, p] * kb_[p])
+                    logits[r, i] = acc * sm_scale
                 continue
-            else:
-                if scale_mode != 0:  # shared: head h reads its group's scale; per_head: its own
-                    o = code_bytes_k + 2 * (h // hps)
-                    s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
-                _codes_of(kbuf, slot, h * Gk, Gk, bits_k, zs)
+            if hg == 4:  # the codeword halves as vector copies
                 for j in range(Gk):
-                    z = zs[j]
+                    z = zk[i, j]
+                    _copy4(ka, (j * 4,), kcb, (h, j, z, 0))
+                    _copy4(kb_, (j * 4,), kcb, (h, j, z, 4))
+            else:
+                for j in range(Gk):
+                    z = zk[i, j]
                     for l in range(hg):
                         ka[j * hg + l] = kcb[h, j, z, l]
                         kb_[j * hg + l] = kcb[h, j, z, hg + l]
             for p in range(P):
                 cs[p] = cos_t[t, pidx[p]]
                 sn_[p] = sin_t[t, pidx[p]]
-            s *= sm_scale
+            s = sc[i]
             for r in range(rep):  # q . RoPE_t(k) = sum_p cos (qa ka + qb kb) + sin (qb ka - qa kb): flat, vectorizes
                 acc = np.float32(0.0)
                 for p in range(P):
                     acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb2[r, p] * ka[p] - qa2[r, p] * kb_[p])
-                logits[r, t - t_lo] = acc * s
+                logits[r, i] = acc * s
         for r in range(rep):
             m = -_BIG
-            for i in range(t_hi - t_lo):
+            for i in range(nt):
                 m = max(m, logits[r, i])
             tot = np.float32(0.0)
-            for i in range(t_hi - t_lo):
-                e = np.float32(math.exp(logits[r, i] - m))
+            for i in range(nt):
+                e = _exp_le0(logits[r, i] - m)
                 logits[r, i] = e
                 tot += e
             part_m[item, r] = m
             part_l[item, r] = tot
         acc_o = np.zeros((rep, d), np.float32)
         vt = np.empty(d, np.float32)
-        for t in range(t_lo, t_hi):
-            slot = indices[beg + t]
-            widx = _window_entry(entry_of, slot, t, S, sink, recent)
+        for i in range(nt):
+            widx = wid[i]
             if widx >= 0:
-                for r in range(rep):
-                    p = logits[r, t - t_lo]
-                    for c in range(d):
-                        acc_o[r, c] += p * _bf16_bits_to_f32(win_v[widx, 0, h, c])
+                for c in range(d):
+                    vt[c] = _bf16_bits_to_f32(win_v[widx, 0, h, c])
             else:  # decode the value row, then one d-long axpy per query head (vectorizes)
-                _codes_of(vbuf, slot, h * Gv, Gv, bits_v, zs)
-                for j in range(Gv):
-                    z = zs[j]
-                    for l in range(gv):
-                        vt[j * gv + l] = vcb[h, j, z, l]
-                for r in range(rep):
-                    p = logits[r, t - t_lo]
-                    for c in range(d):
-                        acc_o[r, c] += p * vt[c]
+                if gv == 8:
+                    for j in range(Gv):
+                        _copy8(vt, (j * 8,), vcb, (h, j, zv[i, j], 0))
+                else:
+                    for j in range(Gv):
+                        z = zv[i, j]
+                        for l in range(gv):
+                            vt[j * gv + l] = vcb[h, j, z, l]
+            for r in range(rep):
+                p = logits[r, i]
+                for c in range(d):
+                    acc_o[r, c] += p * vt[c]
         for r in range(rep):
             for c in range(d):
                 part_o[item, r, c] = acc_o[r, c]
-    for bh in prange(B * H):  # merge the splits: rescale each to the common max
+    for bh in range(B * H):  # merge the splits (serial: small; no second thread launch)
         b = bh // H
         h = bh - b * H
         for r in range(rep):
@@ -174,7 +229,9 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                 if part_l[bh * nsplit + sp, r] > 0:
                     mx = max(mx, part_m[bh * nsplit + sp, r])
             tot = np.float32(0.0)
-            o = np.zeros(d, np.float32)
+            o = np.empty(d, np.float32)  # (np.zeros outside a prange would be a parallel loop of its own)
+            for c in range(d):
+                o[c] = np.float32(0.0)
             for sp in range(nsplit):
                 it = bh * nsplit + sp
                 if part_l[it, r] > 0:

@@ -195,8 +195,9 @@ class TaSQCudaAdapter:
         k_pos = torch.arange(S, device=dev)
         causal = k_pos[None, :] <= q_pos[:, None]
         ex = windows.query_window(q_pos, k_pos, sink, recent)  # [Tq, S] (no windows: all False)
+        k_chunk = self._as_stored(k_chunk, cos[P:], sin[P:])
         if bool((ex | ~causal).all()):  # every key a query sees is in its window: exact attention
-            k_ex, v_ex = k_chunk.float(), v_chunk.float()
+            k_ex, v_ex = k_chunk, v_chunk.float()
             if P:
                 k_pre, v_pre = self._prefix_exact(lid, slots[:P])
                 k_ex = torch.cat([rotate(k_pre, cos[:P], sin[:P]), k_ex])
@@ -212,10 +213,19 @@ class TaSQCudaAdapter:
             k_ex = torch.cat([torch.where(use, kx, k_dec[:P]), k_dec[P:]])
             v_ex = torch.cat([torch.where(use, vx, v_dec[:P]), v_dec[P:]])
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
-        k_ex[P:] = k_chunk.float()
+        k_ex[P:] = k_chunk
         v_ex = v_ex.clone() if v_ex is v_dec else v_ex
         v_ex[P:] = v_chunk.float()
         return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
+
+    def _as_stored(self, k_chunk, cos, sin):
+        """The chunk's post-RoPE keys [Tq, H, d] f32 as the exact store keeps them (its dtype, of the
+        pre-RoPE key), so a window key reads the same whether this forward or an earlier one wrote
+        it (as the CPU path); unchanged without windows."""
+        if not self.windows:
+            return k_chunk.float()
+        pre = rotate(k_chunk, cos, sin, inverse=True).to(self.pool.exact.k[0].dtype)
+        return rotate(pre.float(), cos, sin)
 
     def _prefix_exact(self, lid: int, slots: torch.Tensor):
         """Exact pre-RoPE k, v [P, H, d] f32 of prefix slots that all lie in every query's window

@@ -68,7 +68,7 @@ def test_pack_unpack_bit_exact(bits, n):
 
 
 @pytest.mark.parametrize("bits", [1, 5, 7, 10, 13, 16, 17])
-def test_codes_of_reads_any_run_of_codes(bits):
+def test_codes_row_reads_any_run_of_codes(bits):
     """The decode kernel's one-pass unpack of codes first..first+n-1 (a head's codes) equals
     the reference unpack for every start and length, on rows of exactly the packed size."""
     from numba import njit
@@ -76,7 +76,7 @@ def test_codes_of_reads_any_run_of_codes(bits):
     @njit
     def run(buf, first, n, bits, out):
         for slot in range(buf.shape[0]):
-            cpu._codes_of(buf, slot, first, n, bits, out[slot])
+            cpu._codes_row(buf, slot, first, n, bits, out, slot)
 
     gen = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 1 << bits, (4, 11), generator=gen)

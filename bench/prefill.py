@@ -49,11 +49,17 @@ def ttft(base: str, ids: list) -> float:
     return time.perf_counter() - t
 
 
+def server_opts(a) -> SimpleNamespace:
+    """The servers' options (:func:`bench.serving.server_cmd`): radix cache off, so every rep
+    prefills its whole prompt; idle servers sleep (both are up at once)."""
+    return SimpleNamespace(mem_fraction_static=a.mem_fraction_static, paired=True, tasq_config=a.tasq_config,
+                           start_timeout=600, window_rows=4, disable_radix_cache=True)
+
+
 def run(a) -> dict:
     model_dir = resolve_model("smollm2-135m")
     log_dir = a.out / "logs"
-    opts = SimpleNamespace(mem_fraction_static=a.mem_fraction_static, paired=True, tasq_config=a.tasq_config,
-                           start_timeout=600, window_rows=4)
+    opts = server_opts(a)
     servers, res = {}, {}
     try:
         for name in ("bf16", "tasq"):

@@ -97,6 +97,7 @@ def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None)
            "--mem-fraction-static", str(a.mem_fraction_static)]
     cmd += ["--max-total-tokens", str(max_tokens)] if max_tokens else []
     cmd += ["--sleep-on-idle"] if getattr(a, "paired", False) else []
+    cmd += ["--disable-radix-cache"] if getattr(a, "disable_radix_cache", False) else []
     if name == "bf16":
         return cmd + ["--attention-backend", "torch_native"]
     if name == "fp8":  # SGLang's CPU fp8 KV cache requires the intel_amx backend (and AMX)

@@ -273,9 +273,6 @@ def windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink: int, recent: int, sm_sca
     dtype = dtype or q.dtype
     rep = Hq // H  # GQA: the rep query heads of a KV head are stacked along the query axis
 
-    def heads(x):  # [n, H, d] -> [1, H, n, d] in dtype
-        return x.to(dtype).transpose(0, 1).unsqueeze(0)
-
     lo0 = (P // block) * block
     end = -(-S // block) * block  # every block is computed whole (rows and keys padded): same shapes,
     dv = v_ex.shape[2]            # so the same arithmetic per row, wherever the chunk starts or ends

@@ -145,8 +145,7 @@ def step_bytes(cfg, B: int, S: int) -> dict:
     kc, ks, vc = packing.row_bytes(cfg, H, D)
     win = min(S, cfg.sink_window + cfg.recent_window)
     exact = 2 * H * D * 2  # bf16 K + V of one token in one layer
-    books = (cfg.codebook_size_k * H * (D // cfg.group_size_k) * cfg.group_size_k
-             + cfg.codebook_size_v * H * (D // cfg.group_size_v) * cfg.group_size_v) * 4
+    books = (cfg.codebook_size_k + cfg.codebook_size_v) * H * D * 4  # K codewords of g dims per group of g
     kv = B * L * ((S - win) * (kc + ks + vc) + win * exact) + B * S * 16
     return {"tasq": kv + L * books, "tasq_codebooks": L * books, "bf16": B * (L * S * exact + S * 8)}
 

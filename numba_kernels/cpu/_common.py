@@ -3,6 +3,8 @@ casts (fp16 / bf16 <-> float32, as torch rounds), and the numpy view helpers of 
 wrappers (:mod:`.ops`)."""
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 import torch
@@ -26,8 +28,6 @@ def _wide_vectors() -> str | None:
     codes). Set once, before the first kernel compiles; ``NUMBA_CPU_FEATURES`` given by the user
     wins. Numba keys its on-disk cache by the features, so no kernel compiled otherwise is
     reused. Returns the feature string set, or None."""
-    import os
-
     from llvmlite import binding
 
     if os.environ.get("NUMBA_CPU_FEATURES") or numba.config.CPU_FEATURES is not None:

@@ -309,26 +309,33 @@ def windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink: int, recent: int, sm_sca
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-@functools.lru_cache(maxsize=64)
-def _prefill_blocks(lo0: int, end: int, sink: int, recent: int, block: int, rep: int, dtype: torch.dtype) -> tuple:
+def _prefill_blocks(lo0: int, end: int, sink: int, recent: int, block: int, rep: int, dtype: torch.dtype):
     """The whole query blocks ``[lo, lo + block)`` of :func:`windowed_prefill` from ``lo0`` to
-    ``end`` (a pure function of its arguments; cached because every layer of a forward asks for
-    the same): per block its first position ``lo``, the common-code bound ``t``, the sink keys
-    ``s0``, the end of its local codes ``c1``, the additive mask [1, 1, rep*block, keys] and the rows
-    with an empty masked set [1, 1, rep*block] (or None)."""
-    out = []
-    neg = torch.tensor(float("-inf"), dtype=dtype)
-    zero = torch.tensor(0.0, dtype=dtype)
+    ``end``: per block its first position ``lo``, the common-code bound ``t``, the sink keys ``s0``,
+    the end of its local codes ``c1``, its additive mask and empty rows (:func:`_block_mask`)."""
     for lo in range(lo0, end, block):
         hi = lo + block
         t = max(sink, lo + 1 - recent)
-        s0 = min(sink, hi)
-        c1 = max(t, hi - recent)
-        i = torch.arange(lo, hi)[:, None]
-        ex = torch.cat([torch.arange(s0), torch.arange(t, hi)])[None]
-        cd = torch.arange(t, c1)[None]
-        seen = torch.cat([(ex <= i) & ((ex < sink) | (ex >= i + 1 - recent)), cd <= i - recent], 1).repeat(rep, 1)
-        empty = ~seen.any(1)
-        out.append((lo, t, s0, c1, torch.where(seen, zero, neg)[None, None],
-                    empty[None, None] if bool(empty.any()) else None))
-    return tuple(out)
+        # past the first sink + recent positions (t > sink) every block's mask is the same: it
+        # depends on positions relative to lo only
+        yield (lo, t, min(sink, hi), max(t, hi - recent)) + _block_mask(lo if t == sink else -1, sink, recent, block,
+                                                                         rep, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(lo: int, sink: int, recent: int, block: int, rep: int, dtype: torch.dtype) -> tuple:
+    """(additive mask [1, 1, rep*block, keys], rows with an empty masked set [1, 1, rep*block] or
+    None) of the block at ``lo`` (-1: any block with ``lo + 1 - recent > sink``). A pure function
+    of its arguments, cached: every layer of every forward asks for the same few masks."""
+    if lo < 0:
+        lo = sink + recent
+    hi = lo + block
+    t = max(sink, lo + 1 - recent)
+    s0, c1 = min(sink, hi), max(t, hi - recent)
+    i = torch.arange(lo, hi)[:, None]
+    ex = torch.cat([torch.arange(s0), torch.arange(t, hi)])[None]
+    cd = torch.arange(t, c1)[None]
+    seen = torch.cat([(ex <= i) & ((ex < sink) | (ex >= i + 1 - recent)), cd <= i - recent], 1).repeat(rep, 1)
+    empty = ~seen.any(1)
+    mask = torch.where(seen, torch.tensor(0.0, dtype=dtype), torch.tensor(float("-inf"), dtype=dtype))
+    return mask[None, None], (empty[None, None] if bool(empty.any()) else None)

@@ -22,7 +22,7 @@ Shapes: HF passes query [1, Hq, n, d] and the cache's key/value [1, H, T, d]; ba
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sglang_tasq.hf.baselines import KVMethod
+from sglang_tasq import salient as sal
 from sglang_tasq.hf.cache import QuantizedKVCache
 from sglang_tasq.windows import query_window
 
@@ -101,11 +102,19 @@ class AttnStats:
 
 @dataclass
 class Probe:
+    """What the decode view applies: windows, optional stats, and salient tokens kept exact
+    (:mod:`sglang_tasq.salient`): when the forward that ends at ``select_at`` keys runs, each
+    layer selects its kept positions from its last ``salient.obs`` queries; every later query
+    reads them exactly (``kept``: layer -> [H, B] positions)."""
+
     cache: ProbeCache
     sink: int = 0
     recent: int = 0
     stats: Optional[AttnStats] = None
     chunk: int = 256
+    salient: Optional[sal.SalientSpec] = None
+    select_at: Optional[int] = None
+    kept: dict = field(default_factory=dict)
 
 
 @contextmanager
@@ -175,6 +184,10 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
     kx, vx = p.cache.exact_kv(layer)
     q = query[0].float().reshape(H, G, n, d) * scaling
     kq, vq, ke, ve = key[0].float(), value[0].float(), kx[0].float(), vx[0].float()
+    kept = p.kept.get(layer)
+    if kept is not None and kept.numel():  # kept positions read exactly by every later query
+        m = sal.kept_mask(kept, T)[..., None]
+        kq, vq = torch.where(m, ke, kq), torch.where(m, ve, vq)
     out = torch.empty(H, G, n, d)
     for s in range(0, n, p.chunk):
         e = min(n, s + p.chunk)
@@ -182,6 +195,10 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
         S, out[:, :, s:e] = _mix(q[:, :, s:e], kq, ke, vq, ve, a, b, p.sink, p.recent)
         if p.stats is not None:
             p.stats.add(layer, torch.arange(a, b), *_stats(q[:, :, s:e], ke, S, a, b))
+    if p.salient is not None and T == p.select_at and layer not in p.kept:
+        w = min(p.salient.obs, n)  # the selection point's observation queries, over the keys as served
+        S, _ = _mix(q[:, :, n - w:], kq, ke, vq, ve, T - w, T, p.sink, p.recent)
+        p.kept[layer] = sal.select(torch.softmax(S, -1), p.sink, p.recent, p.salient)
     return out.reshape(Hq, n, d).transpose(0, 1)[None].to(query.dtype), None
 
 

@@ -56,7 +56,7 @@ def _found_all(text: str, gold) -> bool:
 
 @torch.no_grad()
 def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max_new: int = 128,
-           view: str = "decode") -> str:
+           view: str = "decode", salient=None, split: int | None = None) -> str:
     """Greedy continuation of ``prompt`` (no special tokens added) under ``method``.
 
     view "decode": prompt tokens attend through the windows too (the rule of
@@ -64,15 +64,27 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
     change); "serving": the prompt attends exactly, as the server's one-chunk prefill did before
     that change, and every generated token reads the prompt from codes outside the windows (an
     HF-level reference only: the suite no longer offers it, its "server" view measures the real
-    server instead)."""
+    server instead).
+
+    salient: a :class:`sglang_tasq.salient.SalientSpec` (decode view): tokens kept exact, chosen
+    when the prompt's first ``split`` tokens have been read (default: the whole prompt); the
+    prompt is then run as two forwards, ``[:split]`` and the rest (the question asked later)."""
     if view not in GREEDY_VIEWS:
         raise ValueError(f"view {view!r}: allowed {GREEDY_VIEWS}")
     ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
     eos, out = _eos_ids(model, tok), []
     cache = ProbeCache(method)
-    probe = Probe(cache, len(ids), 0) if view == "serving" else Probe(cache, sink, recent)
+    if salient is not None and view != "decode":
+        raise ValueError("salient tokens are measured in the decode view")
+    split = len(ids) if split is None else split
+    if not 0 < split <= len(ids):
+        raise ValueError(f"split {split} outside the prompt's {len(ids)} tokens")
+    probe = Probe(cache, len(ids), 0) if view == "serving" else Probe(cache, sink, recent, salient=salient,
+                                                                       select_at=split)
     with active(probe):
-        h = model.model(input_ids=ids[None], past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
+        for part in (ids[:split], ids[split:]):
+            if len(part):
+                h = model.model(input_ids=part[None], past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
         probe.sink, probe.recent = sink, recent
         for _ in range(max_new):
             nxt = int(model.lm_head(h).argmax())

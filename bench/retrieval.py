@@ -1,0 +1,252 @@
+"""Retrieval against bits (issue 14): RULER NIAH in the decode view for points of
+(method, windows, salient tokens kept exact, where the question comes), each with its bits per
+element all-in at the prompt length measured.
+
+A point is written ``METHOD[:WINDOWS[:sBUDGET[:later]]]``:
+
+* ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...);
+* ``WINDOWS``: ``none`` or ``SINK+RECENT`` (default ``64+256``; bf16 ignores it);
+* ``sB``: keep ``B`` salient positions exact per (layer, KV head) (:mod:`sglang_tasq.salient`),
+  chosen from the attention of the last 32 queries before the question (``later``) or of the
+  whole prompt's last 32 (default: the question is in the prompt, RULER's order);
+* ``later``: the prompt is read in two forwards, the context, then the question and the answer
+  prefix; the selection sees only the context (the query-agnostic case: a question asked after
+  the document, or in a later turn). Without salient tokens it equals the one-forward run.
+
+Bits all-in, per element, averaged over keys and values at the measured mean prompt length T:
+the codes' bits (scales included) + the windows' 16-bit copies ``min(sink + recent, T) / T * 16``
++ the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
+
+Every (point, length) is one item JSON under the run folder (resumable; several processes may
+fill one folder with different points). The summary pairs each point with a reference point
+(``--ref``, default ``tasq:64+256``) and with bf16 over the same samples (differences of
+per-sample scores, bootstrap stratified by task)::
+
+    python -m bench.retrieval --lengths 1024 --samples 8 \\
+        --points bf16 tasq:64+256 tasq:64+256:s32 tasq:64+256:s32:later --artifact tasq=artifacts/smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import methods as M
+from . import niah, stats
+from .report import write_json
+
+RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
+_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::s(?P<b>\d+))?(?::(?P<q>later))?$")
+
+
+@dataclass(frozen=True)
+class Point:
+    method: str
+    sink: int = 64
+    recent: int = 256
+    budget: int = 0
+    later: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Point":
+        m = _POINT.match(text)
+        if not m:
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET][:later], e.g. tasq:64+256:s32")
+        M.parse(m["m"])  # an unknown method fails here, with the allowed names
+        sink, recent = M.parse_windows(m["w"] or "64+256")
+        if m["m"] == "bf16":
+            sink = recent = 0
+        return cls(m["m"], sink, recent, int(m["b"] or 0), bool(m["q"]))
+
+    @property
+    def name(self) -> str:
+        if self.method == "bf16":
+            return "bf16" + (":later" if self.later else "")
+        w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
+        return f"{self.method}:{w}" + (f":s{self.budget}" if self.budget else "") + (":later" if self.later else "")
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.name)
+
+    def salient(self):
+        from sglang_tasq.salient import SalientSpec
+
+        return SalientSpec(self.budget) if self.budget else None
+
+
+def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> float:
+    """Bits per element (mean of keys and values) at mean prompt length T, side buffers included."""
+    from sglang_tasq.salient import side_bits, window_bits
+
+    if point.method == "bf16":
+        return 16.0
+    extra = window_bits(point.sink, point.recent, T) + side_bits(point.budget, T, head_dim)
+    return round((code_bits[0] + code_bits[1]) / 2 + extra, 3)
+
+
+def question_split(tok, sample: dict) -> int:
+    """Token index where the question (the input's last line) begins in the prompt."""
+    question = sample["input"].rsplit("\n", 1)[1]
+    at = sample["prompt"].rfind(question)
+    if at < 0:
+        raise ValueError(f"question {question[:40]!r}... not found in the prompt")
+    offsets = tok(sample["prompt"], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return next(i for i, (a, _) in enumerate(offsets) if a >= at)
+
+
+def evaluate(model, tok, method, point: Point, length: int, n: int, tasks=tuple(niah.TASKS),
+             max_new=None) -> dict:
+    """One item: {'tasks': {task: 0-100}, 'avg', 'preds', 'mean_length', 'seconds', ...}."""
+    from .ruler import _samples, greedy, token_cap
+
+    t0, scores, preds, lengths = time.time(), {}, [], []
+    for task in tasks:
+        outs = []
+        for s in _samples(tok, task, length, n):
+            split = question_split(tok, s) if point.later else None
+            outs.append(greedy(model, tok, s["prompt"], method, point.sink, point.recent, s["outputs"],
+                               token_cap(s, max_new), "decode", salient=point.salient(), split=split))
+            preds.append({"task": task, "index": s["index"], "length": s["length"], "gold": s["outputs"],
+                          "pred": outs[-1]})
+            lengths.append(s["length"])
+        scores[task] = niah.string_match_all(outs, [p["gold"] for p in preds[-len(outs):]])
+    return {"point": point.name, "length": length, "samples_per_task": n, "tasks": scores,
+            "avg": sum(scores.values()) / len(scores), "mean_length": sum(lengths) / len(lengths),
+            "preds": preds, "seconds": round(time.time() - t0, 1)}
+
+
+def per_sample(item: dict) -> dict:
+    """{(task, index): 0-100 score} of one item."""
+    return {(p["task"], p["index"]): 100.0 * niah.sample_score(p["pred"], p["gold"]) for p in item["preds"]}
+
+
+def _by_task(scores: dict) -> list:
+    tasks: dict = {}
+    for (task, _), v in sorted(scores.items()):
+        tasks.setdefault(task, []).append(v)
+    return list(tasks.values())
+
+
+def paired(a: dict, b: dict) -> dict:
+    """b - a over the samples both hold, as {mean, lo, hi, n} (bootstrap stratified by task)."""
+    keys = sorted(set(a) & set(b))
+    if not keys:
+        raise ValueError("no common samples to pair")
+    diff = {k: b[k] - a[k] for k in keys}
+    return vars(stats.stratified_interval(_by_task(diff)))
+
+
+def summarize(items: dict, bits: dict, head_dim: int, ref: str) -> tuple[list, str]:
+    """Rows (one per point and length) and the markdown table. items: {(point name, length): item}."""
+    rows = []
+    for (name, length), item in sorted(items.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        point, s = Point.parse(name), per_sample(item)
+        row = {"point": name, "length": length, "n": len(s), "mean_length": round(item["mean_length"], 1),
+               "bits_codes": bits[point.method],
+               "bits_all_in": bits_all_in(point, bits[point.method], item["mean_length"], head_dim),
+               "niah": vars(stats.stratified_interval(_by_task(s))), "tasks": item["tasks"]}
+        base = items.get(("bf16", length))
+        if base is not None and name != "bf16":
+            row["vs_bf16"] = paired(per_sample(base), s)
+            row["share_of_bf16"] = round(row["niah"]["mean"] / max(base["avg"], 1e-9), 3)
+        r = items.get((ref, length))
+        if r is not None and name != ref:
+            row["vs_ref"] = paired(per_sample(r), s)
+        rows.append(row)
+    head = ("| length | point | bits K / V (codes) | bits all-in | NIAH [95%] | share of bf16 | - bf16 | - "
+            f"{ref} |\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['length']} (mean {r['mean_length']:.0f}) | {r['point']} | {r['bits_codes'][0]:.3f} / {r['bits_codes'][1]:.3f} "
+        f"| {r['bits_all_in']:.2f} | {stats.text(r['niah'])} | {r.get('share_of_bf16', '-')} "
+        f"| {stats.text(r['vs_bf16']) if 'vs_bf16' in r else '-'} | {stats.text(r['vs_ref']) if 'vs_ref' in r else '-'} |\n"
+        for r in rows)
+    return rows, head + body
+
+
+def run_name(model: str, preset: str, n: int, tasks, max_new, artifact_ids: dict) -> str:
+    key = json.dumps({"tasks": list(tasks), "max_new": max_new, "artifacts": artifact_ids}, sort_keys=True)
+    return f"{model}_{preset}_n{n}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS[:sBUDGET[:later]]] ...")
+    ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
+    ap.add_argument("--samples", type=int, default=8, help="per task (>= 8 for an interval worth reading)")
+    ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))
+    ap.add_argument("--max-new", type=int, default=None, help="generated-token cap (default RULER's 128)")
+    ap.add_argument("--ref", default="tasq:64+256", help="the point every other is paired with")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--preset", default="default", choices=("default", "fast"))
+    ap.add_argument("--artifact", action="append", default=[], metavar="NAME=DIR",
+                    help="artifact directory for an artifact name (e.g. tasq=artifacts/smollm2)")
+    ap.add_argument("--artifact-root", default="artifacts/quality")
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--report-only", action="store_true", help="summarize the items already in the run folder")
+    a = ap.parse_args(argv)
+    try:
+        points = [Point.parse(p) for p in a.points]
+        bad = [t for t in a.tasks if t not in niah.TASKS]
+        if bad:
+            raise ValueError(f"tasks {bad}: allowed {list(niah.TASKS)}")
+        overrides = dict(kv.split("=", 1) for kv in a.artifact)
+    except ValueError as e:
+        print(f"bench.retrieval: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from sglang_tasq.models import fingerprint, load_config, resolve_model
+
+    from .perplexity import load_model
+
+    model, tok = load_model(a.model)
+    H = model.config.num_key_value_heads
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    fp = fingerprint(load_config(resolve_model(a.model)))
+    built, bits, ids = {}, {}, {}
+    for name in dict.fromkeys(p.method for p in [*points, Point.parse(a.ref), Point.parse("bf16")]):
+        spec = M.parse(name)
+        art = M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides)
+        built[name] = M.build(spec, art, fp)
+        bits[name] = M.bits(built[name], H, d)
+        if art is not None:
+            ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
+    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new, ids)
+    write_json(run_dir / "config.json", {"model": a.model, "preset": a.preset, "samples": a.samples,
+                                         "tasks": a.tasks, "max_new": a.max_new, "artifacts": ids,
+                                         "torch_threads": torch.get_num_threads()})
+    items = {}
+    for length in a.lengths:
+        for p in points:
+            path = run_dir / "items" / f"{p.slug}__{length}.json"
+            if not path.is_file() and not a.report_only:
+                print(f"[retrieval] {p.name} length={length} n={a.samples}", flush=True)
+                item = evaluate(model, tok, built[p.method], p, length, a.samples, tuple(a.tasks), a.max_new)
+                write_json(path, item)
+                print(f"[retrieval] {p.name} length={length}: {item['avg']:.1f} in {item['seconds']:.0f} s", flush=True)
+    for path in sorted((run_dir / "items").glob("*.json")):  # every point any process put here
+        item = json.loads(path.read_text())
+        items[(item["point"], item["length"])] = item
+        if Point.parse(item["point"]).method not in bits:
+            spec = M.parse(Point.parse(item["point"]).method)
+            art = M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides)
+            bits[spec.name] = M.bits(M.build(spec, art, fp), H, d)
+    rows, md = summarize(items, bits, d, Point.parse(a.ref).name)
+    write_json(run_dir / "summary.json", rows)
+    (run_dir / "summary.md").write_text(
+        f"# RULER NIAH against bits, {a.model}, decode view, {a.samples} samples per task\n\n"
+        f"Intervals: {stats.DESCRIPTION}, stratified by task; differences paired per sample.\n\n" + md)
+    print(md)
+    print(f"[retrieval] run folder {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Salient tokens kept exact (sglang_tasq.salient) and the retrieval bench's harness (bench.retrieval):
+selection by brute force, bits, and the decode view reading kept positions exactly."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench import attention_error as ae
+from bench import retrieval as R
+from bench import ruler
+from sglang_tasq import salient as sal
+from sglang_tasq.config import TaSQConfig
+from sglang_tasq.hf.baselines import baseline
+from sglang_tasq.hf.cache import TaSQCache
+from sglang_tasq.testing import random_codebooks
+
+V = 128
+
+
+def _brute_select(probs, sink, recent, spec):
+    """Per head: pooled score of p = max over |p' - p| <= pool // 2 of the summed attention;
+    candidates sink <= p < T - recent; best B, ties to the lower position."""
+    H, T = probs.shape[0], probs.shape[-1]
+    s = probs.sum((1, 2))
+    out = []
+    for h in range(H):
+        r = spec.pool // 2
+        pooled = [max(s[h, max(0, p - r): p + r + 1]) for p in range(T)]
+        cand = list(range(min(sink, T), max(min(sink, T), T - recent)))
+        best = sorted(cand, key=lambda p: (-float(pooled[p]), p))[: spec.budget]
+        out.append(sorted(best))
+    return torch.tensor(out, dtype=torch.long).view(H, -1)
+
+
+@pytest.mark.parametrize("T,sink,recent,budget,pool", [(50, 4, 8, 5, 7), (50, 0, 0, 3, 1), (33, 4, 30, 9, 3),
+                                                       (20, 4, 16, 4, 5), (61, 2, 5, 0, 7)])
+def test_select_equals_brute_force(T, sink, recent, budget, pool):
+    g = torch.Generator().manual_seed(T + budget)
+    probs = torch.softmax(3 * torch.randn(3, 2, 4, T, generator=g), -1)
+    probs[1, :, :, 10:14] = 0.25  # a flat run: ties resolved to the lower positions
+    spec = sal.SalientSpec(budget, obs=4, pool=pool)
+    got = sal.select(probs, sink, recent, spec)
+    assert torch.equal(got, _brute_select(probs, sink, recent, spec))
+    lo, hi = sal.candidates(T, sink, recent)
+    assert got.shape == (3, max(0, min(budget, hi - lo)))
+    assert bool(((got >= lo) & (got < hi)).all())
+
+
+def test_select_finds_a_needle_with_its_neighbours():
+    probs = torch.full((2, 3, 8, 400), 1e-4)
+    probs[0, :, :, 200] = 0.9  # head 0 looks at 200, head 1 at 90
+    probs[1, :, :, 90] = 0.9
+    kept = sal.select(probs, 16, 64, sal.SalientSpec(7, obs=8, pool=7))
+    assert kept[0].tolist() == list(range(197, 204)) and kept[1].tolist() == list(range(87, 94))
+    assert sal.select(probs, 16, 64, sal.SalientSpec(1, obs=8, pool=1))[:, 0].tolist() == [200, 90]
+
+
+def test_bits_and_spec_checks():
+    assert sal.side_bits(64, 1024, 64) == pytest.approx(64 / 1024 * 16.25)
+    assert sal.side_bits(64, 32, 64) == pytest.approx(16.25)  # never more tokens than the prompt
+    assert sal.window_bits(64, 256, 1000) == pytest.approx(5.12) and sal.window_bits(0, 0, 10) == 0
+    for bad in (dict(budget=-1), dict(budget=4, pool=4), dict(budget=4, obs=0)):
+        with pytest.raises(ValueError):
+            sal.SalientSpec(**bad)
+    m = sal.kept_mask(torch.tensor([[1, 3], [0, 2]]), 5)
+    assert m.tolist() == [[False, True, False, True, False], [True, False, True, False, False]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)
+    m = LlamaForCausalLM(cfg).eval()
+    ae.use_decode_view(m)
+    return m
+
+
+@pytest.fixture(scope="module")
+def method():
+    cb = random_codebooks(2, 2, 16, config=TaSQConfig(codebook_size_k=16, codebook_size_v=16), seed=5)
+    return TaSQCache(cb).method
+
+
+def _run(model, method, ids, sink, recent, salient=None, select_at=None, steps=6, after_prompt=None):
+    """Logits of the prompt's last position and of ``steps`` greedy decode steps, and the probe."""
+    cache = ae.ProbeCache(method)
+    probe = ae.Probe(cache, sink, recent, salient=salient, select_at=select_at or len(ids))
+    out = []
+    with torch.no_grad(), ae.active(probe):
+        logits = model(ids[None], past_key_values=cache).logits[0, -1]
+        if after_prompt:
+            after_prompt(probe)
+        for _ in range(steps):
+            out.append(logits)
+            logits = model(logits.argmax().view(1, 1), past_key_values=cache).logits[0, 0]
+    return torch.stack(out), probe
+
+
+def test_kept_positions_are_read_exactly(model, method):
+    """Keeping every candidate exact == widening the sink over every candidate after the prompt
+    (the prompt itself attended under the windows in both; the recent window's tokens are not
+    candidates and move to codes as they leave it); budget 0 == no salient tokens."""
+    ids = torch.randint(0, V, (90,), generator=torch.Generator().manual_seed(1))
+    plain, _ = _run(model, method, ids, 4, 8)
+    none, p0 = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(0))
+    assert torch.equal(plain, none) and all(k.numel() == 0 for k in p0.kept.values())
+    every, p = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(1000, obs=8))
+    assert sorted(p.kept) == [0, 1] and all(k.shape == (2, 90 - 8 - 4) for k in p.kept.values())
+
+    def widen(probe):
+        probe.sink = 90 - 8
+    wide, _ = _run(model, method, ids, 4, 8, after_prompt=widen)
+    assert torch.allclose(every, wide, atol=1e-5)
+    assert torch.allclose(every[0], plain[0])  # selection changes nothing before it
+    assert not torch.allclose(every[1:], plain[1:], atol=1e-3)
+    part, pp = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(10, obs=8))
+    assert all(k.shape == (2, 10) for k in pp.kept.values())
+    assert not torch.allclose(part[1:], plain[1:], atol=1e-4)
+
+
+def test_selection_uses_the_observation_queries_over_the_keys_as_served(model, method):
+    """The kept positions are sal.select of the last ``obs`` prompt queries' probabilities, the
+    same scores the decode view attends with (codes outside the windows)."""
+    ids = torch.randint(0, V, (70,), generator=torch.Generator().manual_seed(2))
+    spec = sal.SalientSpec(6, obs=5, pool=3)
+    _, probe = _run(model, method, ids, 4, 8, salient=spec, steps=1)
+    captured = {}
+    orig = ae._mix
+
+    def spy(q, kq, ke, vq, ve, a, b, sink, recent):
+        S, out = orig(q, kq, ke, vq, ve, a, b, sink, recent)
+        if (a, b) == (65, 70):
+            captured.setdefault(len(captured), torch.softmax(S, -1))
+        return S, out
+    ae._mix = spy
+    try:
+        _run(model, method, ids, 4, 8, salient=spec, steps=1)
+    finally:
+        ae._mix = orig
+    assert len(captured) == 2  # one per layer
+    for layer in (0, 1):
+        assert torch.equal(probe.kept[layer], sal.select(captured[layer], 4, 8, spec))
+
+
+class _Tok:
+    """Characters as tokens, with offsets (what question_split reads)."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        out = {"input_ids": [ord(c) % V for c in text]}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_question_later_without_salient_equals_one_forward(model, method):
+    sample = {"input": "some haystack text that goes on and on for the tiny model\nWhat is the key?",
+              "prompt": "<u>some haystack text that goes on and on for the tiny model\nWhat is the key?<a> The key is"}
+    split = R.question_split(_Tok(), sample)
+    assert sample["prompt"][split:].startswith("What is the key?")
+    one = ruler.greedy(model, _Tok(), sample["prompt"], method, 4, 8, max_new=8)
+    two = ruler.greedy(model, _Tok(), sample["prompt"], method, 4, 8, max_new=8, split=split)
+    assert one == two
+    sel = ruler.greedy(model, _Tok(), sample["prompt"], method, 4, 8, max_new=8, split=split,
+                       salient=sal.SalientSpec(1000, obs=4))
+    assert len(sel) == 8
+    with pytest.raises(ValueError, match="split"):
+        ruler.greedy(model, _Tok(), sample["prompt"], method, 4, 8, max_new=1, split=0)
+    with pytest.raises(ValueError, match="decode view"):
+        ruler.greedy(model, _Tok(), sample["prompt"], method, 4, 8, max_new=1, view="serving",
+                     salient=sal.SalientSpec(4))
+
+
+def test_points_parse_and_bits():
+    p = R.Point.parse("tasq:64+256:s32:later")
+    assert (p.method, p.sink, p.recent, p.budget, p.later) == ("tasq", 64, 256, 32, True)
+    assert p.name == "tasq:64+256:s32:later" and R.Point.parse(p.name) == p
+    assert R.Point.parse("tasq").name == "tasq:64+256" and R.Point.parse("tasq@g4k64:none").name == "tasq@g4k64:none"
+    assert R.Point.parse("bf16:16+64").name == "bf16"
+    for bad in ("tasq:64", "tasq:s", "nosuch:64+256", "tasq:64+256:later:s3"):
+        with pytest.raises(ValueError):
+            R.Point.parse(bad)
+    assert R.bits_all_in(R.Point.parse("bf16"), (16, 16), 1000, 64) == 16.0
+    assert R.bits_all_in(R.Point.parse("tasq:none"), (1.333, 1.25), 1000, 64) == pytest.approx(1.2915, abs=1e-3)
+    want = 1.2915 + 5.12 + 32 / 1000 * 16.25
+    assert R.bits_all_in(R.Point.parse("tasq:64+256:s32"), (1.333, 1.25), 1000, 64) == pytest.approx(want, abs=1e-3)
+
+
+def test_summary_pairs_points_over_the_same_samples():
+    def item(name, scores):
+        preds = [{"task": t, "index": i, "length": 1000, "gold": ["x"], "pred": "x" if s else "y"}
+                 for (t, i), s in scores.items()]
+        return {"point": name, "length": 1024, "avg": 100.0 * sum(scores.values()) / len(scores),
+                "mean_length": 1000.0, "tasks": {}, "preds": preds}
+    keys = [(t, i) for t in ("a", "b") for i in range(4)]
+    items = {("bf16", 1024): item("bf16", dict.fromkeys(keys, 1)),
+             ("tasq:64+256", 1024): item("tasq:64+256", {k: k[1] % 2 for k in keys}),
+             ("tasq:64+256:s8", 1024): item("tasq:64+256:s8", {k: int(k[1] != 3) for k in keys})}
+    rows, md = R.summarize(items, {"bf16": (16, 16), "tasq": (1.333, 1.25)}, 64, "tasq:64+256")
+    by = {r["point"]: r for r in rows}
+    assert by["tasq:64+256"]["niah"]["mean"] == 50 and by["tasq:64+256"]["share_of_bf16"] == 0.5
+    assert by["tasq:64+256:s8"]["vs_ref"]["mean"] == pytest.approx(25.0)
+    assert by["tasq:64+256:s8"]["vs_bf16"]["mean"] == pytest.approx(-25.0)
+    assert "vs_ref" not in by["tasq:64+256"] and "| tasq:64+256:s8 |" in md

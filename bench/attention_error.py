@@ -104,8 +104,9 @@ class AttnStats:
 class Probe:
     """What the decode view applies: windows, optional stats, and salient tokens kept exact
     (:mod:`sglang_tasq.salient`): when the forward that ends at ``select_at`` keys runs, each
-    layer selects its kept positions from its last ``salient.obs`` queries; every later query
-    reads them exactly (``kept``: layer -> [H, B] positions)."""
+    layer scores the positions by its last ``salient.obs`` queries and keeps its best (or, with
+    ``salient.shared``, the first later forward keeps the best of all layers' summed scores in
+    every layer); every later query reads them exactly (``kept``: layer -> [H, B] positions)."""
 
     cache: ProbeCache
     sink: int = 0
@@ -115,6 +116,7 @@ class Probe:
     salient: Optional[sal.SalientSpec] = None
     select_at: Optional[int] = None
     kept: dict = field(default_factory=dict)
+    scores: dict = field(default_factory=dict)  # layer -> [H, T] pooled observation scores
 
 
 @contextmanager
@@ -184,6 +186,9 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
     kx, vx = p.cache.exact_kv(layer)
     q = query[0].float().reshape(H, G, n, d) * scaling
     kq, vq, ke, ve = key[0].float(), value[0].float(), kx[0].float(), vx[0].float()
+    if p.salient is not None and p.salient.shared and p.scores and not p.kept and T > p.select_at:
+        shared = sal.select_shared([p.scores[i] for i in sorted(p.scores)], p.sink, p.recent, p.salient)
+        p.kept.update({i: shared.expand(p.scores[i].shape[0], -1) for i in p.scores})  # every layer, head
     kept = p.kept.get(layer)
     if kept is not None and kept.numel():  # kept positions read exactly by every later query
         m = sal.kept_mask(kept, T)[..., None]
@@ -195,10 +200,12 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
         S, out[:, :, s:e] = _mix(q[:, :, s:e], kq, ke, vq, ve, a, b, p.sink, p.recent)
         if p.stats is not None:
             p.stats.add(layer, torch.arange(a, b), *_stats(q[:, :, s:e], ke, S, a, b))
-    if p.salient is not None and T == p.select_at and layer not in p.kept:
+    if p.salient is not None and T == p.select_at and layer not in p.scores:
         w = min(p.salient.obs, n)  # the selection point's observation queries, over the keys as served
         S, _ = _mix(q[:, :, n - w:], kq, ke, vq, ve, T - w, T, p.sink, p.recent)
-        p.kept[layer] = sal.select(torch.softmax(S, -1), p.sink, p.recent, p.salient)
+        p.scores[layer] = sal.token_scores(torch.softmax(S, -1), p.salient.pool)
+        if not p.salient.shared:
+            p.kept[layer] = sal.top_positions(p.scores[layer], p.sink, p.recent, p.salient.budget)
     return out.reshape(Hq, n, d).transpose(0, 1)[None].to(query.dtype), None
 
 

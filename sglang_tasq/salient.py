@@ -29,12 +29,15 @@ POSITION_BITS = 32  # one int32 position per kept (token, KV head), shared by it
 
 @dataclass(frozen=True)
 class SalientSpec:
-    """``budget`` kept positions per (layer, KV head); ``obs`` observation queries; ``pool``
-    the max-pool width (odd)."""
+    """``budget`` kept positions per (layer, KV head), or, ``shared``, one set of ``budget``
+    positions per request kept in every layer and head (the unit a serving pool's exact store
+    keeps: a slot's entry holds all layers and heads); ``obs`` observation queries; ``pool`` the
+    max-pool width (odd)."""
 
     budget: int
     obs: int = 32
     pool: int = 7
+    shared: bool = False
 
     def __post_init__(self):
         if self.budget < 0 or self.obs < 1 or self.pool < 1 or self.pool % 2 == 0:
@@ -55,17 +58,30 @@ def token_scores(probs: torch.Tensor, pool: int) -> torch.Tensor:
     return s
 
 
-def select(probs: torch.Tensor, sink: int, recent: int, spec: SalientSpec) -> torch.Tensor:
-    """[H, B] kept positions (ascending per head), B = min(budget, candidates), chosen from the
-    observation probabilities ``probs`` [H, G, w, T] of a selection point at ``T``."""
-    H, T = probs.shape[0], probs.shape[-1]
+def top_positions(scores: torch.Tensor, sink: int, recent: int, budget: int) -> torch.Tensor:
+    """scores [X, T] -> [X, B] best candidate positions per row (ascending), B = min(budget,
+    candidates); ties to the lower position."""
+    X, T = scores.shape
     lo, hi = candidates(T, sink, recent)
-    B = max(0, min(spec.budget, hi - lo))
+    B = max(0, min(budget, hi - lo))
     if B == 0:
-        return torch.empty(H, 0, dtype=torch.long)
-    s = token_scores(probs, spec.pool)[:, lo:hi]
-    order = torch.sort(-s, dim=1, stable=True).indices[:, :B]  # stable: ties to the lower position
+        return torch.empty(X, 0, dtype=torch.long)
+    order = torch.sort(-scores[:, lo:hi], dim=1, stable=True).indices[:, :B]  # stable: ties to the lower
     return torch.sort(order + lo, dim=1).values
+
+
+def select(probs: torch.Tensor, sink: int, recent: int, spec: SalientSpec) -> torch.Tensor:
+    """[H, B] kept positions of one layer (ascending per head), chosen from the observation
+    probabilities ``probs`` [H, G, w, T] of a selection point at ``T``."""
+    return top_positions(token_scores(probs, spec.pool), sink, recent, spec.budget)
+
+
+def select_shared(layer_scores, sink: int, recent: int, spec: SalientSpec) -> torch.Tensor:
+    """[B] positions kept in every layer and head: the best of the pooled scores
+    (:func:`token_scores`, [H, T] per layer) summed over layers and heads (each layer's rows sum
+    to the same total, so layers weigh alike)."""
+    total = torch.stack([s.float() for s in layer_scores]).sum((0, 1))
+    return top_positions(total[None], sink, recent, spec.budget)[0]
 
 
 def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:

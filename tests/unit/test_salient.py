@@ -118,6 +118,23 @@ def test_kept_positions_are_read_exactly(model, method):
     assert not torch.allclose(part[1:], plain[1:], atol=1e-4)
 
 
+def test_shared_set_is_the_best_of_all_layers_and_heads(model, method):
+    """``shared``: one set of positions, kept in every layer and head, the top of the pooled
+    scores summed over layers and heads (select_shared against a brute-force sum)."""
+    ids = torch.randint(0, V, (70,), generator=torch.Generator().manual_seed(3))
+    spec = sal.SalientSpec(6, obs=5, pool=3, shared=True)
+    plain, _ = _run(model, method, ids, 4, 8)
+    got, probe = _run(model, method, ids, 4, 8, salient=spec, steps=3)
+    per_head, _ = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(6, obs=5, pool=3), steps=3)
+    assert sorted(probe.kept) == [0, 1] and torch.equal(probe.kept[0], probe.kept[1])
+    assert probe.kept[0].shape == (2, 6) and torch.equal(probe.kept[0][0], probe.kept[0][1])
+    total = sum(probe.scores[layer][h] for layer in (0, 1) for h in (0, 1))
+    want = sorted(sorted(range(4, 62), key=lambda p: (-float(total[p]), p))[:6])
+    assert probe.kept[0][0].tolist() == want
+    assert torch.equal(got[0], plain[0]) and not torch.allclose(got[1:], plain[1:3], atol=1e-4)
+    assert not torch.allclose(got[1:], per_head[1:], atol=1e-6)
+
+
 def test_selection_uses_the_observation_queries_over_the_keys_as_served(model, method):
     """The kept positions are sal.select of the last ``obs`` prompt queries' probabilities, the
     same scores the decode view attends with (codes outside the windows)."""
@@ -177,7 +194,10 @@ def test_question_later_without_salient_equals_one_forward(model, method):
 
 def test_points_parse_and_bits():
     p = R.Point.parse("tasq:64+256:s32:later")
-    assert (p.method, p.sink, p.recent, p.budget, p.later) == ("tasq", 64, 256, 32, True)
+    assert (p.method, p.sink, p.recent, p.budget, p.later, p.shared) == ("tasq", 64, 256, 32, True, False)
+    q = R.Point.parse("tasq:16+64:S8")
+    assert q.shared and q.salient() == sal.SalientSpec(8, shared=True) and q.name == "tasq:16+64:S8"
+    assert q.slug != R.Point.parse("tasq:16+64:s8").slug
     assert p.name == "tasq:64+256:s32:later" and R.Point.parse(p.name) == p
     assert R.Point.parse("tasq").name == "tasq:64+256" and R.Point.parse("tasq@g4k64:none").name == "tasq@g4k64:none"
     assert R.Point.parse("bf16:16+64").name == "bf16"

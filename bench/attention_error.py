@@ -203,7 +203,7 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
     if p.salient is not None and T == p.select_at and layer not in p.scores:
         w = min(p.salient.obs, n)  # the selection point's observation queries, over the keys as served
         S, _ = _mix(q[:, :, n - w:], kq, ke, vq, ve, T - w, T, p.sink, p.recent)
-        p.scores[layer] = sal.token_scores(torch.softmax(S, -1), p.salient.pool)
+        p.scores[layer] = sal.token_scores(torch.softmax(S, -1), p.salient.reach)
         if not p.salient.shared:
             p.kept[layer] = sal.top_positions(p.scores[layer], p.sink, p.recent, p.salient.budget)
     return out.reshape(Hq, n, d).transpose(0, 1)[None].to(query.dtype), None

@@ -2,7 +2,7 @@
 (method, windows, salient tokens kept exact, where the question comes), each with its bits per
 element all-in at the prompt length measured.
 
-A point is written ``METHOD[:WINDOWS][:sBUDGET|:SBUDGET][:later]``:
+A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later]``:
 
 * ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...);
 * ``WINDOWS``: ``none`` or ``SINK+RECENT`` (default ``64+256``; bf16 ignores it);
@@ -10,7 +10,9 @@ A point is written ``METHOD[:WINDOWS][:sBUDGET|:SBUDGET][:later]``:
   ``SB``: one set of ``B`` positions per request, kept in every layer and head (the serving
   pool's unit: an exact-store entry holds a slot's every layer and head). Either way the
   positions are chosen from the attention of the last 32 queries before the question (``later``) or of the
-  whole prompt's last 32 (default: the question is in the prompt, RULER's order);
+  whole prompt's last 32 (default: the question is in the prompt, RULER's order); ``aN`` (``S64a12``)
+  pools forward: a token is scored by the best peak up to N positions before it (a needle's value
+  follows the words the question attends to), else by peaks within 3 positions either side;
 * ``later``: the prompt is read in two forwards, the context, then the question and the answer
   prefix; the selection sees only the context (the query-agnostic case: a question asked after
   the document, or in a later turn). Without salient tokens it equals the one-forward run.
@@ -43,7 +45,8 @@ from . import niah, stats
 from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
-_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+))?(?::(?P<q>later))?$")
+_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?)?"
+                    r"(?::(?P<q>later))?$")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Point:
     budget: int = 0
     later: bool = False
     shared: bool = False
+    after: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Point":
@@ -64,14 +68,16 @@ class Point:
         sink, recent = M.parse_windows(m["w"] or "64+256")
         if m["m"] == "bf16":
             sink = recent = 0
-        return cls(m["m"], sink, recent, int(m["b"] or 0), bool(m["q"]), m["kind"] == "S")
+        after = None if m["a"] is None else int(m["a"])
+        return cls(m["m"], sink, recent, int(m["b"] or 0), bool(m["q"]), m["kind"] == "S", after)
 
     @property
     def name(self) -> str:
         if self.method == "bf16":
             return "bf16" + (":later" if self.later else "")
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
-        return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" if self.budget else "") + (":later" if self.later else "")
+        return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"a{self.after}" if self.after is not None else "")
+                if self.budget else "") + (":later" if self.later else "")
 
     @property
     def slug(self) -> str:
@@ -80,7 +86,7 @@ class Point:
     def salient(self):
         from sglang_tasq.salient import SalientSpec
 
-        return SalientSpec(self.budget, shared=self.shared) if self.budget else None
+        return SalientSpec(self.budget, shared=self.shared, after=self.after) if self.budget else None
 
 
 def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> float:

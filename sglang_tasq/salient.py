@@ -38,10 +38,20 @@ class SalientSpec:
     obs: int = 32
     pool: int = 7
     shared: bool = False
+    after: int | None = None  # asymmetric pooling: a token within ``after`` positions past a peak
 
     def __post_init__(self):
         if self.budget < 0 or self.obs < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"salient spec needs budget >= 0, obs >= 1 and an odd pool >= 1, got {self}")
+        if self.after is not None and self.after < 0:
+            raise ValueError(f"salient spec needs after >= 0, got {self}")
+
+    @property
+    def reach(self) -> tuple[int, int]:
+        """(before, after): a position is scored by the best peak from ``before`` positions ahead of
+        it to ``after`` positions behind it (symmetric ``pool // 2`` unless ``after`` is set, then
+        one position ahead: a needle's value follows the words the question attends to)."""
+        return (self.pool // 2, self.pool // 2) if self.after is None else (1, self.after)
 
 
 def candidates(T: int, sink: int, recent: int) -> tuple[int, int]:
@@ -49,12 +59,15 @@ def candidates(T: int, sink: int, recent: int) -> tuple[int, int]:
     return min(sink, T), max(min(sink, T), T - recent)
 
 
-def token_scores(probs: torch.Tensor, pool: int) -> torch.Tensor:
+def token_scores(probs: torch.Tensor, reach) -> torch.Tensor:
     """probs [H, G, w, T] (softmax rows of w observation queries of each of the G query heads
-    sharing a KV head) -> [H, T] summed attention, max-pooled over ``pool`` positions."""
+    sharing a KV head) -> [H, T] summed attention s, max-pooled: position p scores
+    max s[p - after : p + before + 1] for ``reach = (before, after)`` (an int ``pool``: symmetric)."""
+    before, after = (reach // 2, reach // 2) if isinstance(reach, int) else reach
     s = probs.float().sum((1, 2))  # [H, T]
-    if pool > 1:
-        s = torch.nn.functional.max_pool1d(s[:, None], pool, stride=1, padding=pool // 2)[:, 0]
+    if before or after:
+        padded = torch.nn.functional.pad(s[:, None], (after, before), value=float("-inf"))
+        s = torch.nn.functional.max_pool1d(padded, before + after + 1, stride=1)[:, 0]
     return s
 
 
@@ -73,7 +86,7 @@ def top_positions(scores: torch.Tensor, sink: int, recent: int, budget: int) -> 
 def select(probs: torch.Tensor, sink: int, recent: int, spec: SalientSpec) -> torch.Tensor:
     """[H, B] kept positions of one layer (ascending per head), chosen from the observation
     probabilities ``probs`` [H, G, w, T] of a selection point at ``T``."""
-    return top_positions(token_scores(probs, spec.pool), sink, recent, spec.budget)
+    return top_positions(token_scores(probs, spec.reach), sink, recent, spec.budget)
 
 
 def select_shared(layer_scores, sink: int, recent: int, spec: SalientSpec) -> torch.Tensor:

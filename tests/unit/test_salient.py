@@ -54,11 +54,22 @@ def test_select_finds_a_needle_with_its_neighbours():
     assert sal.select(probs, 16, 64, sal.SalientSpec(1, obs=8, pool=1))[:, 0].tolist() == [200, 90]
 
 
+def test_forward_reach_scores_the_tokens_after_a_peak():
+    probs = torch.zeros(1, 1, 1, 40)
+    probs[0, 0, 0, 10] = 1.0
+    s = sal.token_scores(probs, (1, 5))[0]
+    assert s.nonzero()[:, 0].tolist() == list(range(9, 16))  # one before the peak, five after
+    assert sal.token_scores(probs, 5)[0].nonzero()[:, 0].tolist() == list(range(8, 13))
+    kept = sal.select(probs.expand(2, 1, 1, 40), 0, 0, sal.SalientSpec(7, obs=1, after=5))
+    assert kept[0].tolist() == list(range(9, 16))
+    assert sal.SalientSpec(4).reach == (3, 3) and sal.SalientSpec(4, after=9).reach == (1, 9)
+
+
 def test_bits_and_spec_checks():
     assert sal.side_bits(64, 1024, 64) == pytest.approx(64 / 1024 * 16.25)
     assert sal.side_bits(64, 32, 64) == pytest.approx(16.25)  # never more tokens than the prompt
     assert sal.window_bits(64, 256, 1000) == pytest.approx(5.12) and sal.window_bits(0, 0, 10) == 0
-    for bad in (dict(budget=-1), dict(budget=4, pool=4), dict(budget=4, obs=0)):
+    for bad in (dict(budget=-1), dict(budget=4, pool=4), dict(budget=4, obs=0), dict(budget=4, after=-1)):
         with pytest.raises(ValueError):
             sal.SalientSpec(**bad)
     m = sal.kept_mask(torch.tensor([[1, 3], [0, 2]]), 5)
@@ -198,6 +209,8 @@ def test_points_parse_and_bits():
     q = R.Point.parse("tasq:16+64:S8")
     assert q.shared and q.salient() == sal.SalientSpec(8, shared=True) and q.name == "tasq:16+64:S8"
     assert q.slug != R.Point.parse("tasq:16+64:s8").slug
+    a = R.Point.parse("tasq:64+256:S64a12:later")
+    assert a.salient() == sal.SalientSpec(64, shared=True, after=12) and a.name == "tasq:64+256:S64a12:later"
     assert p.name == "tasq:64+256:s32:later" and R.Point.parse(p.name) == p
     assert R.Point.parse("tasq").name == "tasq:64+256" and R.Point.parse("tasq@g4k64:none").name == "tasq@g4k64:none"
     assert R.Point.parse("bf16:16+64").name == "bf16"

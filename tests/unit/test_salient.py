@@ -239,3 +239,10 @@ def test_summary_pairs_points_over_the_same_samples():
     assert by["tasq:64+256:s8"]["vs_ref"]["mean"] == pytest.approx(25.0)
     assert by["tasq:64+256:s8"]["vs_bf16"]["mean"] == pytest.approx(-25.0)
     assert "vs_ref" not in by["tasq:64+256"] and "| tasq:64+256:s8 |" in md
+
+
+def test_cli_refuses_bad_points_before_loading_anything(capsys):
+    assert R.main(["--points", "tasq:64"]) == 2
+    assert "METHOD[:none|SINK+RECENT]" in capsys.readouterr().err
+    assert R.main(["--points", "tasq", "--tasks", "niah_nosuch"]) == 2
+    assert "niah_nosuch" in capsys.readouterr().err

@@ -21,8 +21,9 @@ Bits all-in, per element, averaged over keys and values at the measured mean pro
 the codes' bits (scales included) + the windows' 16-bit copies ``min(sink + recent, T) / T * 16``
 + the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
 
-Every (point, length) is one item JSON under the run folder (resumable; several processes may
-fill one folder with different points). The summary pairs each point with a reference point
+Every (point, length) is one item JSON under the run folder, named by the model, preset, samples
+and tasks (resumable; several processes may fill one folder with different points; an artifact
+recalibrated since its items were made is refused, ``artifacts.json``). The summary pairs each point with a reference point
 (``--ref``, default ``tasq:64+256``) and with bf16 over the same samples (differences of
 per-sample scores, bootstrap stratified by task)::
 
@@ -178,9 +179,21 @@ def summarize(items: dict, bits: dict, head_dim: int, ref: str) -> tuple[list, s
     return rows, head + body
 
 
-def run_name(model: str, preset: str, n: int, tasks, max_new, artifact_ids: dict) -> str:
-    key = json.dumps({"tasks": list(tasks), "max_new": max_new, "artifacts": artifact_ids}, sort_keys=True)
+def run_name(model: str, preset: str, n: int, tasks, max_new) -> str:
+    key = json.dumps({"tasks": list(tasks), "max_new": max_new}, sort_keys=True)
     return f"{model}_{preset}_n{n}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def check_artifacts(run_dir: Path, ids: dict) -> None:
+    """A run folder holds items of one artifact per name (``artifacts.json``: name -> sha256 of its
+    tensors); a recalibrated artifact is refused instead of mixing items of two fits."""
+    path = run_dir / "artifacts.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    stale = {k: (old[k][:12], v[:12]) for k, v in ids.items() if k in old and old[k] != v}
+    if stale:
+        raise ValueError(f"results in {run_dir} were computed with other artifacts (name: (then, now) sha256) {stale}; "
+                         "pass --results DIR for a new run, or delete the folder")
+    write_json(path, {**old, **ids})
 
 
 def main(argv=None) -> int:
@@ -227,9 +240,14 @@ def main(argv=None) -> int:
         bits[name] = M.bits(built[name], H, d)
         if art is not None:
             ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
-    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new, ids)
+    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new)
+    try:
+        check_artifacts(run_dir, ids)
+    except ValueError as e:
+        print(f"bench.retrieval: {e}", file=sys.stderr)
+        return 2
     write_json(run_dir / "config.json", {"model": a.model, "preset": a.preset, "samples": a.samples,
-                                         "tasks": a.tasks, "max_new": a.max_new, "artifacts": ids,
+                                         "tasks": a.tasks, "max_new": a.max_new,
                                          "torch_threads": torch.get_num_threads()})
     items = {}
     for length in a.lengths:

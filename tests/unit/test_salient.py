@@ -246,3 +246,11 @@ def test_cli_refuses_bad_points_before_loading_anything(capsys):
     assert "METHOD[:none|SINK+RECENT]" in capsys.readouterr().err
     assert R.main(["--points", "tasq", "--tasks", "niah_nosuch"]) == 2
     assert "niah_nosuch" in capsys.readouterr().err
+
+
+def test_run_folder_refuses_a_recalibrated_artifact(tmp_path):
+    R.check_artifacts(tmp_path, {"tasq": "a" * 64})
+    R.check_artifacts(tmp_path, {"tasq": "a" * 64, "tasq_g4k256": "b" * 64})  # a new name joins
+    with pytest.raises(ValueError, match="other artifacts"):
+        R.check_artifacts(tmp_path, {"tasq": "c" * 64})
+    assert R.run_name("m", "default", 8, ["t"], None) != R.run_name("m", "default", 8, ["t"], 64)

@@ -74,3 +74,19 @@ def tiny_llama_dir(out_dir: Path, num_kv_heads: int = 4, seed: int = 0) -> Path:
             shutil.copy(src / name, tmp / name)
     tmp.rename(out)
     return out
+
+
+def tiny_decode_view_llama(vocab: int = 128):
+    """A random-weight Llama (2 layers, 4 query / 2 KV heads of 16 dims) switched to the decode-view
+    attention of :mod:`bench.attention_error`: for the harness's mechanics, never for quality."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench import attention_error as ae
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)
+    m = LlamaForCausalLM(cfg).eval()
+    ae.use_decode_view(m)
+    return m

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from bench import attention_error as ae
 from bench import methods as M
@@ -16,18 +16,14 @@ from sglang_tasq.hf.baselines import baseline
 from sglang_tasq.config import TaSQConfig
 from sglang_tasq.hf.cache import QuantizedKVCache, TaSQCache
 from sglang_tasq.testing import random_codebooks
+from _support import tiny_decode_view_llama
 
 V = 128
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)
-    m = LlamaForCausalLM(cfg).eval()
-    ae.use_decode_view(m)
-    return m
+    return tiny_decode_view_llama(V)
 
 
 def _ids(T, seed=0):

@@ -2,7 +2,7 @@
 selection by brute force, bits, and the decode view reading kept positions exactly."""
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from _support import tiny_decode_view_llama
 
 from bench import attention_error as ae
 from bench import retrieval as R
@@ -78,12 +78,7 @@ def test_bits_and_spec_checks():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024)
-    m = LlamaForCausalLM(cfg).eval()
-    ae.use_decode_view(m)
-    return m
+    return tiny_decode_view_llama(V)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ The rule (SnapKV-style, chosen at a selection point ``T``: the end of the prompt
 the part of it seen before the question): the attention probabilities of the last ``obs``
 queries before ``T`` over the keys *as served* (exact inside the windows, decoded codes
 elsewhere: what a server can compute without exact keys for a cached prefix) are summed over
-those queries and over the query heads of each KV head, max-pooled over ``pool`` neighbouring
-positions (a needle is a few tokens: its neighbours come with it), and the ``budget`` best
-positions per (layer, KV head) among the candidates are kept. The candidates are the tokens the
+those queries and over the query heads of each KV head, max-pooled over neighbouring positions
+(``SalientSpec.reach``: symmetric, or reaching forward from a peak, since a needle's value follows
+the words the question attends to), and the ``budget`` best positions per (layer, KV head), or
+per request for a ``shared`` set, among the candidates are kept. The candidates are the tokens the
 query at ``T - 1`` reads from codes: ``sink <= p < T - recent``. Every query after the selection
 point reads a kept (position, head) exactly, in addition to the window rule of
 :mod:`sglang_tasq.windows`. Ties go to the lower position. A token inside the recent window at
@@ -16,7 +17,9 @@ pushes it out of the window (only for generations longer than ``recent``).
 
 Bits: a kept (token, head) stores its key and value at 16 bits and one 4-byte position, on top
 of its codes (kept so the selection can change without re-encoding): over a prompt of ``T``
-tokens that adds ``budget / T * (16 + 16 / d)`` bits per element on each side.
+tokens that adds ``budget / T * (16 + 16 / d)`` bits per element on each side (a shared set
+needs one position per token, not per head: counted as per head, an over-count of at most
+``budget / T * 16 / d``).
 """
 from __future__ import annotations
 

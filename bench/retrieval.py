@@ -198,7 +198,7 @@ def check_artifacts(run_dir: Path, ids: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS[:sBUDGET[:later]]] ...")
+    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN]][:later] ... (see the module docstring)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--samples", type=int, default=8, help="per task (>= 8 for an interval worth reading)")
     ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))

@@ -9,7 +9,6 @@ from bench import retrieval as R
 from bench import ruler
 from sglang_tasq import salient as sal
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.hf.baselines import baseline
 from sglang_tasq.hf.cache import TaSQCache
 from sglang_tasq.testing import random_codebooks
 

@@ -113,6 +113,21 @@ def assert_same_or_near_tie(got: list[int], want: list[int], want_top: list, tie
     assert gap < tie and {got[i], want[i]} <= set(top2), (i, gap, top2, tie, got, want)
 
 
+def assert_same_up_to_rounding(got: dict, want: dict, tie: float, drift: float) -> None:
+    """Two engine outputs for one request (``output_ids``, ``output_logprobs``, and ``top_logprobs``
+    with k >= 2 for ``want``) whose float order differs (alone vs in a batch, a whole prompt vs a
+    radix-matched suffix): the tokens as :func:`assert_same_or_near_tie` with ``tie``, and the
+    chosen tokens' log-probs before any parting within ``drift`` of each other, so reading other
+    data is caught even where the tokens happen to agree."""
+    assert_same_or_near_tie(got["output_ids"], want["output_ids"], want["top_logprobs"], tie)
+    p = first_parting(got["output_ids"], want["output_ids"], want["top_logprobs"])
+    n = len(want["output_ids"]) if p is None else p[0]
+    worst = max((abs(a - b) for (a, _), (b, _) in zip(got["output_logprobs"][:n], want["output_logprobs"][:n])),
+                default=0.0)
+    print(f"log-prob drift before any parting: {worst:.4f} nats (bound {drift})")
+    assert worst < drift, (worst, got["output_logprobs"][:n], want["output_logprobs"][:n])
+
+
 def _run_task(engine, task: dict) -> dict:
     op = task["op"]
     if op == "flush":

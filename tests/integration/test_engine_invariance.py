@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from engine_worker import assert_same_or_near_tie, chat_ids, reference_logprobs, run_worker
+from engine_worker import assert_same_or_near_tie, assert_same_up_to_rounding, chat_ids, reference_logprobs, run_worker
 
 NEW = 12
 # Across paths whose float arithmetic differs (torch vs Numba kernels, a prefill split into
@@ -33,6 +33,12 @@ NEW = 12
 # at 0.5 (torch chunked path under SGLang's retraction hook vs the Numba path, one of two runs).
 HF_LOGPROB_MAX = 0.2
 ENGINE_TIE = 0.65
+# One request served twice with another float order (in a batch, warm): the chosen tokens'
+# log-probs before any parting. Measured on AMD EPYC: TaSQ up to 0.16 nats (test_server_tasq:
+# 6 chats sent together vs alone; 0.09 for the chat's third turn warm vs fresh here); the bf16
+# engine 0.07 (that chat turn) and 0.13 (test_plugin_engine's shared-prefix batch vs alone). A
+# request that reads another's data moves them by far more ("7421" vs "1234", issue 11).
+DRIFT = 0.4
 GREEDY = {"temperature": 0, "max_new_tokens": NEW}
 ROWS = 4  # SGLANG_TASQ_WINDOW_ROWS: at most 4 requests run at once
 
@@ -65,17 +71,16 @@ def _chat(tok, msgs) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _gen(ids, lp=False):
-    """A greedy request; ``lp``: with its log-probs and each step's top 2 (the cold references)."""
-    t = {"op": "generate", "input_ids": ids, "sampling_params": GREEDY, "return_logprob": lp}
-    return dict(t, top_logprobs_num=2) if lp else t
+def _gen(ids):
+    """A greedy request with its log-probs and each step's top 2."""
+    return {"op": "generate", "input_ids": ids, "sampling_params": GREEDY, "top_logprobs_num": 2}
 
 
 def _tasks(p, full: bool = True):
     main, t = p["main"], []
     if not full:  # cold, then a batch of 6 (4 at a time)
-        return t + [{"op": "flush"}] + [_gen(ids, True) for ids in main] + [{"op": "flush"}, _gen(main + p["others"][:4])]
-    t += [{"op": "flush"}] + [_gen(ids, True) for ids in main]            # 1, 2: cold
+        return t + [{"op": "flush"}] + [_gen(ids) for ids in main] + [{"op": "flush"}, _gen(main + p["others"][:4])]
+    t += [{"op": "flush"}] + [_gen(ids) for ids in main]                  # 1, 2: cold
     t += [_gen(ids) for ids in p["unrelated"]] + [_gen(ids) for ids in main]  # 5, 6: after others, warm
     t += [{"op": "flush"}, _gen(main + p["others"])]                      # 8: batch of 16, 4 at a time
     t += [{"op": "flush"}] + [_gen(ids) for ids in p["chat"]]              # 12: 3rd turn, turns 1-2 shared
@@ -89,13 +94,11 @@ def _run(model, artifact, prompts, tmp, name, env=None, engine=None, full=True):
     rc, out, err = run_worker(spec, tmp, name, env=dict({"SGLANG_TASQ_WINDOW_ROWS": str(ROWS)}, **(env or {})))
     assert rc == 0 and out is not None, err[-3000:]
     r = out["results"]
-    ids = lambda i, j=0: r[i]["outputs"][j]["output_ids"]  # noqa: E731
-    top = [r[1]["outputs"][0]["top_logprobs"], r[2]["outputs"][0]["top_logprobs"]]
+    out = lambda i, j=0: r[i]["outputs"][j]  # noqa: E731  (output_ids, output_logprobs, top_logprobs)
     if not full:
-        return {"cold": [ids(1), ids(2)], "cold_top": top, "batch": [ids(4, 0), ids(4, 1)], "log": err}
-    return {"cold": [ids(1), ids(2)], "cold_top": top, "after": [ids(5), ids(6)], "batch": [ids(8, 0), ids(8, 1)],
-            "chat_warm": ids(12), "chat_fresh": ids(14), "log": err,
-            "logprobs": [r[1]["outputs"][0]["output_logprobs"], r[2]["outputs"][0]["output_logprobs"]]}
+        return {"cold": [out(1), out(2)], "batch": [out(4, 0), out(4, 1)], "log": err}
+    return {"cold": [out(1), out(2)], "after": [out(5), out(6)], "batch": [out(8, 0), out(8, 1)],
+            "chat_warm": out(12), "chat_fresh": out(14), "log": err}
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +115,22 @@ def torch_chunked_run(smollm2_dir, artifact, prompts, tmp_path_factory):
 
 
 def test_same_answer_cold_after_others_warm_and_in_a_batch(numba_run):
+    """One path (Numba kernels, one-chunk prefill): the same prompt cold, after unrelated requests
+    (warm: its prefix radix-matched), in a batch of 16 run 4 at a time, and a chat's third turn
+    with turns 1-2 radix-shared vs the same conversation fresh. The same tokens up to float
+    rounding: a parting only at a near-tie of the reference, and the chosen tokens' log-probs
+    before it within DRIFT. SGLang's CPU forward is not invariant to the shape of a forward, for
+    bf16 as for TaSQ (the bf16 engine on the chat's third turn, AMD EPYC: first-token log-prob
+    -0.6609 warm vs -0.6557 fresh, 0.074 apart at the second; single-threaded, torch's bf16 GEMM
+    of the down projection, K = 1536, gives a lone row other bits than the same row among
+    several). Measured partings: batched "...4 2 1 ." EOS vs cold "...4 2 1" EOS (CI, stop 24,
+    top-2 gap 0.125); the chat turn warm at a dead heat (top-2 gap 0.000) vs fresh (0.125)."""
     run = numba_run
-    assert all(len(x) > 0 for x in run["cold"])
-    assert run["after"] == run["cold"], (run["after"], run["cold"])
-    assert run["batch"] == run["cold"], (run["batch"], run["cold"])
-    assert run["chat_warm"] == run["chat_fresh"], (run["chat_warm"], run["chat_fresh"])
+    assert all(len(x["output_ids"]) > 0 for x in run["cold"])
+    for name in ("after", "batch"):
+        for got, want in zip(run[name], run["cold"]):
+            assert_same_up_to_rounding(got, want, ENGINE_TIE, DRIFT)
+    assert_same_up_to_rounding(run["chat_warm"], run["chat_fresh"], ENGINE_TIE, DRIFT)
 
 
 def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run):
@@ -125,8 +139,8 @@ def test_torch_path_same_answer_in_a_batch_with_retractions(torch_chunked_run):
     two may part only at a near-tie of the reference (measured: "3945." vs "3945" at a top-2
     gap of ~0.1 nats)."""
     run = torch_chunked_run
-    for got, want, top in zip(run["batch"], run["cold"], run["cold_top"]):
-        assert_same_or_near_tie(got, want, top, ENGINE_TIE)
+    for got, want in zip(run["batch"], run["cold"]):
+        assert_same_or_near_tie(got["output_ids"], want["output_ids"], want["top_logprobs"], ENGINE_TIE)
 
 
 def test_the_torch_run_retracted_requests(torch_chunked_run):
@@ -140,8 +154,8 @@ def test_chunked_prefill_and_torch_path_match_the_kernel_path(numba_run, torch_c
     """Chunked prefill (256) on the torch path vs one-chunk prefill on the Numba path: the same
     attention by the window rule, so the same tokens up to float rounding: they may part only at
     a near-tie of the reference."""
-    for got, want, top in zip(torch_chunked_run["cold"], numba_run["cold"], numba_run["cold_top"]):
-        assert_same_or_near_tie(got, want, top, ENGINE_TIE)
+    for got, want in zip(torch_chunked_run["cold"], numba_run["cold"]):
+        assert_same_or_near_tie(got["output_ids"], want["output_ids"], want["top_logprobs"], ENGINE_TIE)
 
 
 def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artifact):
@@ -157,7 +171,7 @@ def test_logprobs_match_hf_token_by_token(numba_run, prompts, smollm2_dir, artif
     from sglang_tasq.srt.launch import load_checked_artifact
 
     art = load_checked_artifact(str(artifact), None)
-    lp = numba_run["logprobs"][1]
+    lp = numba_run["cold"][1]["output_logprobs"]
     ids = [t for _, t in lp]
     cfg = art.config
     ref = reference_logprobs(smollm2_dir, art.codebooks, prompts["main"][1], ids, cfg.sink_window, cfg.recent_window)

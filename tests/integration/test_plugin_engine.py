@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker import chat_ids, run_worker
+from engine_worker import assert_same_up_to_rounding, chat_ids, run_worker
 
 RINGS = 8  # SGLANG_TASQ_WINDOW_ROWS: running requests whose windows the exact store holds
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -39,9 +39,9 @@ def tasq_run(smollm2_dir, artifact, prompts, tmp_path_factory):
     gen = lambda ids, sp=GREEDY, lp=True: {"op": "generate", "input_ids": ids, "sampling_params": sp, "return_logprob": lp}  # noqa: E731
     warm = gen(prompts["prefix"], dict(GREEDY, max_new_tokens=1), False)
     tasks = [{"op": "info"}, gen(prompts["chat"], dict(GREEDY, max_new_tokens=12)), gen(prompts["long"]),
-             {"op": "flush"}, warm, gen(prompts["shared"], GREEDY, False)]
+             {"op": "flush"}, warm, dict(gen(prompts["shared"]), top_logprobs_num=2)]
     for ids in prompts["shared"]:  # same cache state as the batch saw: only the prefix cached
-        tasks += [{"op": "flush"}, warm, gen(ids, GREEDY, False)]
+        tasks += [{"op": "flush"}, warm, dict(gen(ids, GREEDY), top_logprobs_num=2)]
     tasks += [{"op": "flush"}] + [gen(ids, dict(GREEDY, max_new_tokens=24), False) for ids in prompts["needle"]]
     spec = {"engine": {"model_path": str(smollm2_dir), "mem_fraction_static": 0.05},
             "tasq_config": str(artifact), "tasks": tasks}
@@ -97,10 +97,17 @@ def test_capacity_at_same_memory(tasq_run, base_run, artifact):
 
 def test_shared_prefix_batch_equals_one_by_one(tasq_run):
     """Requests sharing a radix-cached prefix: concurrent batch == one by one (same cache state:
-    the prefix cached, each request's own tokens fresh; a cache hit reads tokens from codes)."""
-    batch = [o["output_ids"] for o in tasq_run[5]["outputs"]]
-    single = [r["outputs"][0]["output_ids"] for r in tasq_run[8:8 + 3 * len(SUFFIXES):3]]
-    assert batch == single
+    the prefix cached, each request's own tokens fresh; a cache hit reads tokens from codes), up
+    to float rounding as in test_engine_invariance (a parting only at a near-tie of the lone run,
+    log-probs before it within 0.4 nats): SGLang's CPU forward is not batch-invariant, for bf16
+    as for TaSQ. On AMD EPYC, bf16 log-probs of these four prompts differ batched vs alone by up
+    to 0.13 nats from the second step; TaSQ's third answer parts at its fourth token, where the
+    lone run's top two are tied (gap 0.000)."""
+    batch = tasq_run[5]["outputs"]
+    single = [r["outputs"][0] for r in tasq_run[8:8 + 3 * len(SUFFIXES):3]]
+    assert len(batch) == len(single) == len(SUFFIXES)
+    for got, want in zip(batch, single):
+        assert_same_up_to_rounding(got, want, 0.65, 0.4)
 
 
 def test_single_needle_ruler_2k(tasq_run, prompts):

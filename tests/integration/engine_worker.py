@@ -113,19 +113,25 @@ def assert_same_or_near_tie(got: list[int], want: list[int], want_top: list, tie
     assert gap < tie and {got[i], want[i]} <= set(top2), (i, gap, top2, tie, got, want)
 
 
+def output_drift(got: dict, want: dict) -> float:
+    """Largest |difference| of the chosen tokens' log-probs of two engine outputs
+    (``output_ids``, ``output_logprobs``; ``top_logprobs`` for ``want``) before they first part."""
+    p = first_parting(got["output_ids"], want["output_ids"], want["top_logprobs"])
+    n = len(want["output_ids"]) if p is None else p[0]
+    return max((abs(a - b) for (a, _), (b, _) in zip(got["output_logprobs"][:n], want["output_logprobs"][:n])),
+               default=0.0)
+
+
 def assert_same_up_to_rounding(got: dict, want: dict, tie: float, drift: float) -> None:
     """Two engine outputs for one request (``output_ids``, ``output_logprobs``, and ``top_logprobs``
     with k >= 2 for ``want``) whose float order differs (alone vs in a batch, a whole prompt vs a
     radix-matched suffix): the tokens as :func:`assert_same_or_near_tie` with ``tie``, and the
-    chosen tokens' log-probs before any parting within ``drift`` of each other, so reading other
-    data is caught even where the tokens happen to agree."""
+    chosen tokens' log-probs before any parting within ``drift`` of each other (:func:`output_drift`),
+    so reading other data is caught even where the tokens happen to agree."""
     assert_same_or_near_tie(got["output_ids"], want["output_ids"], want["top_logprobs"], tie)
-    p = first_parting(got["output_ids"], want["output_ids"], want["top_logprobs"])
-    n = len(want["output_ids"]) if p is None else p[0]
-    worst = max((abs(a - b) for (a, _), (b, _) in zip(got["output_logprobs"][:n], want["output_logprobs"][:n])),
-                default=0.0)
+    worst = output_drift(got, want)
     print(f"log-prob drift before any parting: {worst:.4f} nats (bound {drift})")
-    assert worst < drift, (worst, got["output_logprobs"][:n], want["output_logprobs"][:n])
+    assert worst < drift, (worst, got["output_logprobs"], want["output_logprobs"])
 
 
 def _run_task(engine, task: dict) -> dict:

@@ -6,9 +6,11 @@ radix cache), inside a batch of 16 with at most 4 running at once (more requests
 window store is sized for: the scheduler never runs one without its windows), as the third
 turn of a chat whose earlier turns are radix-shared, with ``--chunked-prefill-size 256``, and
 on the plain-torch path (``SGLANG_TASQ_CPU_KERNELS=0``), and after retractions (SGLang's
-``SGLANG_TEST_RETRACT`` hook, on the torch run). Within each path every answer must be
-token-identical; the engine's log-probs must equal the HF TaSQ cache fed token by token (the
-same window rule by construction) within the bf16 engine's own distance to HF.
+``SGLANG_TEST_RETRACT`` hook, on the torch run). Every answer must be the cold one up to
+float rounding (a parting only at a near-tie, log-probs before it within DRIFT: SGLang's CPU
+forward is not invariant to a forward's shape, for bf16 either); the engine's log-probs must
+equal the HF TaSQ cache fed token by token (the same window rule by construction) within the
+bf16 engine's own distance to HF.
 
 The prompts are long (~700-1,300 tokens) so that most of every prompt is read from codes, and
 the windows matter: the same artifact with no windows (sink = recent = 0) changes all three

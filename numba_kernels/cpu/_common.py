@@ -140,6 +140,23 @@ def _prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
+@intrinsic
+def _load_u64(typingctx, arr, row, byte):
+    """The 8 bytes of the 2-d uint8 array ``arr`` from ``arr[row, byte]`` on, as a little-endian
+    int64: one unaligned load. The caller keeps all 8 bytes inside one contiguous buffer (no
+    bounds checks here)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint8 and arr.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], signature.args[1:])]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False, boundscheck=False)
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+    return types.int64(arr, row, byte), codegen
+
+
 def _make_copy(width: int):
     """An intrinsic ``copy(dst, didx, src, sidx)``: the ``width`` float32 elements from
     ``src[sidx]`` on (along its last, contiguous dimension) to ``dst[didx]`` on, as one LLVM

@@ -65,15 +65,15 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     answer depends on its own tokens only, not on the batch it runs in (batch invariance).
 
     Three passes per item. (1) Per token: the window rule, the key scale, the key and value
-    codes (unpacked once, kept for the passes below) and a prefetch of every codeword the
+    codes (unpacked once with 8-byte loads, kept for the passes below) and a prefetch of every codeword the
     token reads: a layer's codebooks are not in cache when its step starts, and issuing all
     of a split's codeword loads up front lets them overlap instead of stalling one token at a
     time. (2) Keys decoded in the permuted in-group layout from the tailored codebook ``kcb``
     (the encoder's own array, so a decode step reads each codebook once; ``kw`` [H, d] the
-    weight of each permuted element, divided out through the query) as the first and second
-    elements of each RoPE pair (vector copies of the codeword halves when g = 8), the rotation
-    at the token's position folded into the dot with every query head of the GQA group (one
-    flat loop over pairs), then scaled; fp32 softmax (a branch-free exp that vectorizes).
+    weight of each permuted element) as the first and second elements of each RoPE pair
+    (vector copies of the codeword halves when g = 8), divided by their weights and rotated
+    to the token's position once for the GQA group, then one flat dot per query head, then
+    scaled; fp32 softmax (a branch-free exp that vectorizes).
     (3) Values decoded (vector copies of the codewords when g = 8) and accumulated, one
     d-long axpy per query head. Each split leaves its max logit, exp-sum and unnormalized
     output in part_m/part_l/part_o; a serial merge after the parallel loop combines them (no
@@ -99,27 +99,23 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         nt = t_hi - t_lo
         na = max(nt, 1)
         P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
-        # the query's first / second element of each permuted pair, over the codeword weight of
-        # the first (qa, qb2) or second (qb, qa2) element: codewords are read in the tailored
-        # space (key element = codeword / weight, the division folded into the query)
-        qa = np.empty((rep, P), np.float32)
-        qb = np.empty((rep, P), np.float32)
-        qa2 = np.empty((rep, P), np.float32)
-        qb2 = np.empty((rep, P), np.float32)
+        # the query's first / second element of each permuted pair (group j holds pairs
+        # j*hg .. j*hg+hg-1), and 1 / the weight of each: codewords are read in the tailored
+        # space (key element = codeword / weight)
+        xa = np.empty((rep, P), np.float32)
+        xb = np.empty((rep, P), np.float32)
+        iwa = np.empty(P, np.float32)
+        iwb = np.empty(P, np.float32)
         pidx = np.empty(P, np.int64)  # native RoPE pair of each permuted pair
         for j in range(Gk):
             for l in range(hg):
                 p = j * hg + l
                 pidx[p] = kperm[h, j * gk + l]
-                wa = kw[h, j * gk + l]
-                wb = kw[h, j * gk + hg + l]
+                iwa[p] = np.float32(1.0) / kw[h, j * gk + l]
+                iwb[p] = np.float32(1.0) / kw[h, j * gk + hg + l]
                 for r in range(rep):
-                    xa = q[b, h * rep + r, kperm[h, j * gk + l]]
-                    xb = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
-                    qa[r, p] = xa / wa
-                    qb[r, p] = xb / wb
-                    qa2[r, p] = xa / wb
-                    qb2[r, p] = xb / wa
+                    xa[r, p] = q[b, h * rep + r, kperm[h, j * gk + l]]
+                    xb[r, p] = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
         na_ = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
         nb_ = np.empty((rep, P), np.float32)
         for r in range(rep):
@@ -151,8 +147,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         logits = np.empty((rep, na), np.float32)
         ka = np.empty(P, np.float32)
         kb_ = np.empty(P, np.float32)
-        cs = np.empty(P, np.float32)
-        sn_ = np.empty(P, np.float32)
+        ra = np.empty(P, np.float32)
+        rb = np.empty(P, np.float32)
         for i in range(nt):
             t = t_lo + i
             widx = wid[i]
@@ -177,14 +173,18 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     for l in range(hg):
                         ka[j * hg + l] = kcb[h, j, z, l]
                         kb_[j * hg + l] = kcb[h, j, z, hg + l]
-            for p in range(P):
-                cs[p] = cos_t[t, pidx[p]]
-                sn_[p] = sin_t[t, pidx[p]]
+            for p in range(P):  # the key pair in native units, rotated to position t (once for the GQA group)
+                c = cos_t[t, pidx[p]]
+                sn = sin_t[t, pidx[p]]
+                a = ka[p] * iwa[p]
+                bb = kb_[p] * iwb[p]
+                ra[p] = c * a - sn * bb
+                rb[p] = sn * a + c * bb
             s = sc[i]
-            for r in range(rep):  # q . RoPE_t(k) = sum_p cos (qa ka + qb kb) + sin (qb ka - qa kb): flat, vectorizes
+            for r in range(rep):  # q . RoPE_t(k): one flat dot per query head (vectorizes)
                 acc = np.float32(0.0)
                 for p in range(P):
-                    acc += cs[p] * (qa[r, p] * ka[p] + qb[r, p] * kb_[p]) + sn_[p] * (qb2[r, p] * ka[p] - qa2[r, p] * kb_[p])
+                    acc += xa[r, p] * ra[p] + xb[r, p] * rb[p]
                 logits[r, i] = acc * s
         for r in range(rep):
             m = -_BIG

@@ -4,6 +4,7 @@ wrappers (:mod:`.ops`)."""
 from __future__ import annotations
 
 import os
+import types as pytypes
 
 import numba
 import numpy as np
@@ -40,6 +41,23 @@ def _wide_vectors() -> str | None:
 
 
 WIDE_VECTORS = _wide_vectors()
+
+
+def njit_variants(py_func, **options):
+    """(parallel, serial) compilations of ``py_func`` (cached, nogil, plus ``options``), each
+    its own function for Numba's on-disk cache. The cache names its entry after the function's
+    qualified name and line and keys it by signature, not by the ``parallel`` flag: two
+    compilations of one Python function shared one entry, so whichever compiled first was
+    loaded for both (a "serial" decode-step kernel ran a parallel region, ~60 us of thread
+    wake-up per call after torch has run: 3 per layer)."""
+    out = []
+    for suffix, parallel in (("", True), ("_serial", False)):
+        name = py_func.__name__.removesuffix("_py") + suffix
+        f = pytypes.FunctionType(py_func.__code__, py_func.__globals__, name, py_func.__defaults__,
+                                 py_func.__closure__)
+        f.__qualname__, f.__doc__, f.__module__ = name, py_func.__doc__, py_func.__module__
+        out.append(njit(parallel=parallel, cache=True, nogil=True, **options)(f))
+    return tuple(out)
 
 
 def set_threads(n: int | None = None) -> None:

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import _f32_to_bf16_bits, _f32_to_half_bits, _half_bits_to_f32
+from ._common import _f32_to_bf16_bits, _f32_to_half_bits, _half_bits_to_f32, njit_variants
 from .bitpack import _pack_row
 from .search import _nearest_row
 
@@ -68,8 +68,7 @@ def _tailor_keys_py(k, pos, cos_t, sin_t, w, kperm, scale_mode, gk, kpre, x, sca
                     x[t, h * Gk + j, l] = kw[h, kperm[h, j * gk + l]]
 
 
-_tailor_keys = njit(parallel=True, cache=True, nogil=True)(_tailor_keys_py)
-_tailor_keys_serial = njit(cache=True, nogil=True)(_tailor_keys_py)
+_tailor_keys, _tailor_keys_serial = njit_variants(_tailor_keys_py)
 
 
 def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf,
@@ -96,8 +95,7 @@ def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc
                     win_v[r, wi, h, c] = _f32_to_bf16_bits(v[t, h, c])
 
 
-_write_rows = njit(parallel=True, cache=True, nogil=True)(_write_rows_py)
-_write_rows_serial = njit(cache=True, nogil=True)(_write_rows_py)
+_write_rows, _write_rows_serial = njit_variants(_write_rows_py)
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"})

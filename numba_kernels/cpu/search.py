@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ._common import _BIG, _SERIAL_BELOW
+from ._common import _BIG, _SERIAL_BELOW, njit_variants
 
 _TOKEN_BLOCK = 16
 _ARGMIN_CHUNK = 32
@@ -102,8 +102,7 @@ def _nearest_py(x, cbt, cn, chunk, out):
                 t += 1
 
 
-_nearest = njit(parallel=True, cache=True, nogil=True, fastmath=True)(_nearest_py)
-_nearest_serial = njit(cache=True, nogil=True, fastmath=True)(_nearest_py)  # small batches: no thread launch
+_nearest, _nearest_serial = njit_variants(_nearest_py, fastmath=True)  # serial: small batches, no thread launch
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)

@@ -82,11 +82,30 @@ def test_codes_row_reads_any_run_of_codes(bits):
     codes = torch.randint(0, 1 << bits, (4, 11), generator=gen)
     codes[0] = (1 << bits) - 1
     packed = packing.pack_codes(codes, bits).numpy()
-    for first in range(11):
-        for n in range(1, 12 - first):
-            out = np.zeros((4, 12), np.int64)
-            run(packed, first, n, bits, out)
-            assert (out[:, :n] == codes[:, first:first + n].numpy()).all(), (first, n)
+    # the 8-byte-load path (rows with 8 bytes after their last code inside the buffer), the
+    # byte loop (the buffer's last row), and a non-contiguous view (the byte loop everywhere)
+    wide = np.zeros((4, packed.shape[1] + 3), np.uint8)
+    wide[:, :packed.shape[1]] = packed
+    for buf in (packed, wide[:, :packed.shape[1]]):
+        for first in range(11):
+            for n in range(1, 12 - first):
+                out = np.zeros((4, 12), np.int64)
+                run(buf, first, n, bits, out)
+                assert (out[:, :n] == codes[:, first:first + n].numpy()).all(), (first, n)
+
+
+def test_serial_and_parallel_variants_have_their_own_compiled_code():
+    """Numba's disk cache names an entry after the Python function and keys it by signature,
+    not by ``parallel``: two compilations of one function loaded each other's code (the
+    decode step's "serial" encode ran parallel regions). Each variant is its own function."""
+    from numba_kernels.cpu import encode, search
+
+    pairs = [(search._nearest, search._nearest_serial), (encode._tailor_keys, encode._tailor_keys_serial),
+             (encode._write_rows, encode._write_rows_serial)]
+    for par, ser in pairs:
+        assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
+        assert par.py_func.__qualname__ != ser.py_func.__qualname__
+        assert par._cache._cache_file._index_name != ser._cache._cache_file._index_name  # the cache entry
 
 
 def test_pack_refuses_out_of_range_and_bad_rows():

@@ -25,7 +25,8 @@ Modules (split the way the CUDA half of :mod:`numba_kernels` is):
 - ``encode``: the fused pool encode kernels (key un-rotation and tailoring, row writer, the
   one-call decode-step encoder ``_encode_small``).
 - ``ops``: the host-side launch objects: :class:`DecodeTables`, :class:`DecodePlan`,
-  :func:`decode_attention`, :class:`PoolEncoder`.
+  :func:`decode_attention`, :class:`PoolEncoder`, :func:`rope_composes` (whether the decode kernel may
+  compose RoPE rows).
 
 Numba compiles each kernel on first use (cached on disk next to its module, ``cache=True``);
 ``set_threads`` matches Numba's thread count to torch's. Numba keys a cached kernel by its own
@@ -38,8 +39,8 @@ from ._common import _SERIAL_BELOW, set_threads  # noqa: F401  (_SERIAL_BELOW: t
 from .bitpack import _codes_row, pack, unpack  # noqa: F401  (_codes_row: tests)
 from .decode import _window_entry  # noqa: F401  (the window-rule twin: tests)
 from .encode import _encode_small  # noqa: F401
-from .ops import SPLIT_TOKENS, DecodePlan, DecodeTables, PoolEncoder, decode_attention
+from .ops import SPLIT_TOKENS, DecodePlan, DecodeTables, PoolEncoder, decode_attention, rope_composes
 from .search import nearest, prepare
 
 __all__ = ["set_threads", "prepare", "nearest", "pack", "unpack", "SPLIT_TOKENS",
-           "DecodeTables", "DecodePlan", "decode_attention", "PoolEncoder"]
+           "DecodeTables", "DecodePlan", "decode_attention", "PoolEncoder", "rope_composes"]

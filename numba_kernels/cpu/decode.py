@@ -57,7 +57,7 @@ def _exp_le0(x):
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
-                      scale_mode, cos_t, sin_t, entry_of, win_k, win_v, sink, recent, sm_scale,
+                      scale_mode, cos_t, sin_t, composed, entry_of, win_k, win_v, sink, recent, sm_scale,
                       chunk, nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
@@ -88,6 +88,22 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     hg = gk // 2
     n_scales = (kbuf.shape[1] - code_bytes_k) // 2  # a key row is codes ++ its fp16 scales
     hps = H // n_scales if n_scales > 0 else 1  # heads per scale (1 for per_head)
+    P = d // 2
+    # composed RoPE (the plan checked the table is one: cos_t[t] = m cos(t theta), sin_t[0] = 0):
+    # position t of a split starting at t0 rotates by R_t = R_t0 R_(t - t0) / m, so the query
+    # is turned back by R_t0 once per split and each key is rotated by a row of the first
+    # ``chunk`` positions, gathered into the permuted pair order here once per layer
+    # (contiguous loads per token instead of a gather through the permutation)
+    R = min(chunk, cos_t.shape[0]) if composed else 0
+    rc = np.empty((H, R, P), np.float32)
+    rs = np.empty((H, R, P), np.float32)
+    for h in range(H):
+        for j in range(Gk):
+            for l in range(hg):
+                n = kperm[h, j * gk + l]
+                for i in range(R):
+                    rc[h, i, j * hg + l] = cos_t[i, n]
+                    rs[h, i, j * hg + l] = sin_t[i, n]
     for item in prange(B * H * nsplit):
         bh = item // nsplit
         b = bh // H
@@ -98,7 +114,6 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         t_hi = min(S, t_lo + chunk)
         nt = t_hi - t_lo
         na = max(nt, 1)
-        P = d // 2  # RoPE pairs, in permuted order (group j holds pairs j*hg .. j*hg+hg-1)
         # the query's first / second element of each permuted pair (group j holds pairs
         # j*hg .. j*hg+hg-1), and 1 / the weight of each: codewords are read in the tailored
         # space (key element = codeword / weight)
@@ -113,9 +128,17 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                 pidx[p] = kperm[h, j * gk + l]
                 iwa[p] = np.float32(1.0) / kw[h, j * gk + l]
                 iwb[p] = np.float32(1.0) / kw[h, j * gk + hg + l]
+                c0 = np.float32(1.0)
+                s0 = np.float32(0.0)
+                if composed and nt > 0:  # R_t0^T / m, folded into the query
+                    n = pidx[p]
+                    c0 = cos_t[t_lo, n] / cos_t[0, n]
+                    s0 = sin_t[t_lo, n] / cos_t[0, n]
                 for r in range(rep):
-                    xa[r, p] = q[b, h * rep + r, kperm[h, j * gk + l]]
-                    xb[r, p] = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
+                    ya = q[b, h * rep + r, kperm[h, j * gk + l]]
+                    yb = q[b, h * rep + r, kperm[h, j * gk + hg + l]]
+                    xa[r, p] = c0 * ya + s0 * yb
+                    xb[r, p] = c0 * yb - s0 * ya
         na_ = np.empty((rep, P), np.float32)  # the same in native pair order (window entries)
         nb_ = np.empty((rep, P), np.float32)
         for r in range(rep):
@@ -173,13 +196,22 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     for l in range(hg):
                         ka[j * hg + l] = kcb[h, j, z, l]
                         kb_[j * hg + l] = kcb[h, j, z, hg + l]
-            for p in range(P):  # the key pair in native units, rotated to position t (once for the GQA group)
-                c = cos_t[t, pidx[p]]
-                sn = sin_t[t, pidx[p]]
-                a = ka[p] * iwa[p]
-                bb = kb_[p] * iwb[p]
-                ra[p] = c * a - sn * bb
-                rb[p] = sn * a + c * bb
+            if composed:  # the key pair in native units, rotated (once for the GQA group) by R_(t - t0)
+                for p in range(P):
+                    c = rc[h, i, p]
+                    sn = rs[h, i, p]
+                    a = ka[p] * iwa[p]
+                    bb = kb_[p] * iwb[p]
+                    ra[p] = c * a - sn * bb
+                    rb[p] = sn * a + c * bb
+            else:  # ... by R_t, gathered through the permutation
+                for p in range(P):
+                    c = cos_t[t, pidx[p]]
+                    sn = sin_t[t, pidx[p]]
+                    a = ka[p] * iwa[p]
+                    bb = kb_[p] * iwb[p]
+                    ra[p] = c * a - sn * bb
+                    rb[p] = sn * a + c * bb
             s = sc[i]
             for r in range(rep):  # q . RoPE_t(k): one flat dot per query head (vectorizes)
                 acc = np.float32(0.0)

@@ -16,6 +16,39 @@ from .encode import _encode_small, _tailor_keys, _write_rows
 from .search import _ARGMIN_CHUNK, _search, prepare
 
 SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
+ROPE_COMPOSE_TOL = 1e-3  # |table - composed| / m allowed where the decode kernel composes RoPE rows
+
+
+def rope_composes(cos: np.ndarray, sin: np.ndarray, chunk: int, length: int) -> bool:
+    """Whether the RoPE tables (float32 [rows, d/2]) are a rotation table, ``cos[t] = m cos(t
+    theta)``, ``sin[t] = m sin(t theta)`` (m > 0: attention scaling), over positions
+    0..length-1, so the decode kernel may rotate position t0 + i by R_t0 R_i / m (t0 a split's
+    first position, a multiple of ``chunk``): one gather of the first ``chunk`` rows per layer
+    instead of one per token. Checked on every split start and, after each, the positions 1,
+    chunk / 2 and chunk - 1 on, within :data:`ROPE_COMPOSE_TOL` of m (float32 rows of angles
+    computed in float64 compose to ~1e-6; fp32 angles at t ~ 8k are themselves ~5e-4 off).
+    A table that is not one (no such m, another position dependence) keeps the per-token
+    gather."""
+    n = min(length, cos.shape[0])
+    if n == 0:
+        return False
+    m = cos[0].astype(np.float64)
+    if not ((sin[0] == 0).all() and (m > 0).all()):
+        return False
+    t0 = np.arange(0, n, chunk)
+    off = np.array(sorted({1, chunk // 2, chunk - 1} - {0}))
+    t0, off = np.broadcast_arrays(t0[:, None], off[None, :])
+    keep = (t0 + off < n) & (off < n)
+    t0, off = t0[keep], off[keep]
+    if not t0.size:
+        return True
+    def rows(tab, t):  # the probed rows only, in float64
+        return tab[t].astype(np.float64)
+
+    cc = (rows(cos, t0) * rows(cos, off) - rows(sin, t0) * rows(sin, off)) / m
+    ss = (rows(sin, t0) * rows(cos, off) + rows(cos, t0) * rows(sin, off)) / m
+    err = max(float(np.abs(cc - rows(cos, t0 + off)).max()), float(np.abs(ss - rows(sin, t0 + off)).max()))
+    return err <= ROPE_COMPOSE_TOL * float(m.max())
 
 
 class DecodeTables:
@@ -88,6 +121,7 @@ class DecodePlan:
         self.part_l = np.empty((B * H * ns, rep), np.float32)
         self.part_o = np.empty((B * H * ns, rep, d), np.float32)
         self.scale_mode = SCALE_MODE_ID[cfg.scale]
+        self.composed = rope_composes(self.cos, self.sin, self.chunk, max_len)
 
     def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
                  win_k=None, win_v=None) -> torch.Tensor:
@@ -111,7 +145,7 @@ class DecodePlan:
         _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
                           _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
                           tables.kw, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, self.code_bytes_k, self.scale_mode,
-                          self.cos, self.sin, self.entry_of, wk, wv, cfg.sink_window, cfg.recent_window,
+                          self.cos, self.sin, self.composed, self.entry_of, wk, wv, cfg.sink_window, cfg.recent_window,
                           np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
         return torch.from_numpy(out)
 

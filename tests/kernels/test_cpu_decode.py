@@ -109,6 +109,7 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
     ("shared", (3, 0), 2, 4, 16, [20, 2, 7]),  # sink only
     ("shared/2", (4, 8), 4, 8, 16, [5, 40, 33]),  # 2 scale groups of 2 heads (a TP-2 artifact at TP 1)
     ("shared/3", None, 3, 6, 8, [17, 3]),  # 3 groups of 1 head
+    ("shared", (4, 8), 1, 2, 16, [4100, 600]),  # RoPE rows composed far from position 0
 ])
 def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, split_tokens):
     """Split-K (splits past a short request's end are empty) merges to the unsplit answer;
@@ -135,6 +136,43 @@ def test_decode_attention_matches_reference(scale, windows, H, Hq, d, seq_lens, 
         got4 = cpu.decode_attention(q, k_rows, v_rows, indptr, slots, cpu.DecodeTables(cb, 0), cfg, kb, cos, sin,
                                     sm_scale, entry_of, wk.unsqueeze(1), wv.unsqueeze(1))
         assert torch.equal(got4, got)
+
+
+def test_rope_composes_only_for_a_rotation_table():
+    """The decode kernel rotates position t0 + i by R_t0 R_i / m only where the table is one:
+    cos_sin's tables (attention scaling m included) are, a position-dependent scaling, a
+    non-zero angle at position 0 or a corrupted row are not."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    for m in (1.0, 1.3):
+        c, s = (x.numpy() for x in cos_sin(torch.arange(5000), inv_freq, m))
+        assert cpu.rope_composes(c, s, 256, 5000) and cpu.rope_composes(c, s, 7, 300)
+    damp = (1.0 + 1e-3 * np.arange(5000))[:, None].astype(np.float32)
+    assert not cpu.rope_composes(c * damp, s * damp, 256, 5000)
+    c2, s2 = (x.numpy() for x in cos_sin(torch.arange(5000) + 3, inv_freq))
+    assert not cpu.rope_composes(c2, s2, 256, 5000)
+    bad = c.copy()
+    bad[256 + 128, 2] += 0.05  # a split start plus chunk / 2: a probed row
+    assert not cpu.rope_composes(bad, s, 256, 5000)
+
+
+def test_decode_attention_per_token_rope_gather_matches_reference():
+    """The path for a table that does not compose (each key's rotation gathered from its own
+    row) gives the reference answer too, and the composed path's within float rounding."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, sink_window=4,
+                     recent_window=8)
+    seq_lens = [700, 5, 300]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 2, 6, 16, seq_lens, 5, True)
+    entry_of, wk, wv = win
+    cos, sin = cos_sin(torch.arange(710), cb.inv_freq, cb.attention_scaling)
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25)
+    outs = []
+    for composed in (True, False):
+        plan = cpu.DecodePlan(torch.tensor([0] + seq_lens).cumsum(0), slots, cfg, kb, 6, 2, 16, cos, sin, entry_of)
+        assert plan.composed
+        plan.composed = composed
+        outs.append(plan(q, k_rows, v_rows, cpu.DecodeTables(cb, 0), 0.25, wk.unsqueeze(1), wv.unsqueeze(1)))
+        torch.testing.assert_close(outs[-1], ref, rtol=2e-5, atol=2e-5)
+    assert not torch.equal(outs[0], outs[1])  # two paths, not one taken twice
 
 
 def test_decode_tables_share_the_encoder_arrays_and_fall_back_on_zero_weights():

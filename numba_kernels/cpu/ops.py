@@ -38,10 +38,11 @@ def rope_composes(cos: np.ndarray, sin: np.ndarray, chunk: int, length: int) -> 
     t0 = np.arange(0, n, chunk)
     off = np.array(sorted({1, chunk // 2, chunk - 1} - {0}))
     t0, off = np.broadcast_arrays(t0[:, None], off[None, :])
-    keep = (t0 + off < n) & (off < n)
+    keep = t0 + off < n
     t0, off = t0[keep], off[keep]
     if not t0.size:
         return True
+
     def rows(tab, t):  # the probed rows only, in float64
         return tab[t].astype(np.float64)
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..rope import cos_sin, rotate
+from . import profile
 
 
 def _cuda_adapter(pool, req_to_token_pool):
@@ -63,6 +64,7 @@ class TaSQAttnBackend(AttentionBackend):
         # Numba CPU decode kernel: all requests of a decode batch in one call per layer
         self._decode_kernel = self.pool.cpu_kernels and self.codebooks.k_unmix is None
         self._decode_tables = {}
+        self._profile = profile.from_env()  # SGLANG_TASQ_PROFILE: per-forward time split (benchmarks)
 
     # ---- metadata ----------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
@@ -75,6 +77,7 @@ class TaSQAttnBackend(AttentionBackend):
             q_lens = torch.ones_like(seq_lens)
         else:
             q_lens = fb.extend_seq_lens.to(torch.int64)
+        self._profile.begin("decode" if fb.forward_mode.is_decode() else "extend", int(q_lens.sum()))
         rows = torch.repeat_interleave(fb.req_pool_indices.to(torch.int64), q_lens)
         tok_seq = torch.repeat_interleave(seq_lens, q_lens)
         md = self.forward_metadata = dict(
@@ -110,7 +113,14 @@ class TaSQAttnBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache):
+        out = self._forward_layer(q, k, v, layer, fb, save_kv_cache)
+        if self._profile.enabled and layer.layer_id == self.pool.start_layer + self.pool.layer_num - 1:
+            self._profile.end()
+        return out
+
+    def _forward_layer(self, q, k, v, layer, fb, save_kv_cache):
         md = self.forward_metadata
+        prof = self._profile
         Hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, Hq, d)
         if q.is_cuda:
@@ -119,14 +129,16 @@ class TaSQAttnBackend(AttentionBackend):
             out = self._cuda.forward(q3, k, v, layer, fb, md, save_kv_cache)
             return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
         if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"],
-                                    req_rows=md["rows"], seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
+            with prof.part("store"):
+                self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"], req_rows=md["rows"],
+                                        seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
         H = layer.tp_k_head_num
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None
         v3 = v.reshape(-1, H, layer.v_head_dim) if exact else None
         if not exact and "kv_indices" in md:
-            return self._decode_cpu(q3, layer, md).to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
+            with prof.part("attention"):
+                return self._decode_cpu(q3, layer, md).to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
         out = torch.empty(q3.shape[0], Hq, layer.v_head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for row, S, Tq in zip(md["req_rows"], md["seq_lens"], md["q_lens"]):
@@ -149,16 +161,29 @@ class TaSQAttnBackend(AttentionBackend):
         slots = self.req_to_token_pool.req_to_token[row, :S].to(torch.int64)
         pool = self.pool
         cos, sin = self._cos_sin(S, q.device)  # == apply_rope at positions 0..S-1 (same table values)
+        prof = self._profile
         if chunk is None:
-            k_pre, v = pool.read_request(layer.layer_id, slots, row, S)
-            return _sdpa(q, rotate(k_pre, cos, sin), v, layer.scaling)
+            with prof.part("attention"):
+                k_pre, v = pool.read_request(layer.layer_id, slots, row, S)
+                return _sdpa(q, rotate(k_pre, cos, sin), v, layer.scaling)
+        with prof.part("codes"):
+            k_dec, k_ex, v_dec, v_ex = self._prefill_keys(layer, slots, S, Tq, cos, sin, chunk)
+        with prof.part("attention"):
+            return windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, pool.tasq_config.sink_window,
+                                    pool.tasq_config.recent_window, layer.scaling)
+
+    def _prefill_keys(self, layer, slots, S: int, Tq: int, cos, sin, chunk):
+        """The keys and values a chunk's queries read (:meth:`_attend`): (decoded keys, exact-or-
+        decoded keys, both post-RoPE at positions 0..S-1; decoded values, exact-or-decoded values)."""
+        pool = self.pool
+        q_device = slots.device
         P = S - Tq
         cfg = pool.tasq_config
         sink, recent = cfg.sink_window, cfg.recent_window
         k_dec, v_dec = pool.read_codes(layer.layer_id, slots)
         k_ex, v_ex = k_dec.clone(), v_dec.clone()
         if P:  # the prefix keys some query of the chunk reads exactly (begin_forward checked their entries)
-            j = torch.arange(P, device=q.device)
+            j = torch.arange(P, device=q_device)
             need = (j < sink) | (j >= P + 1 - recent)
             pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
         # the chunk's keys as the exact store keeps them (bf16 of the pre-RoPE key): a window key
@@ -166,7 +191,7 @@ class TaSQAttnBackend(AttentionBackend):
         k_ex[P:] = rotate(chunk[0], cos[P:], sin[P:], inverse=True).to(torch.bfloat16).float()
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
         v_ex[P:] = chunk[1].float()
-        return windowed_prefill(q, k_ex, v_ex, k_dec, v_dec, sink, recent, layer.scaling)
+        return k_dec, k_ex, v_dec, v_ex
 
     def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
         """Decode over the pool with the Numba kernel (``numba_kernels.cpu.DecodePlan``, built

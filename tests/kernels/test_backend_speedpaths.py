@@ -261,3 +261,50 @@ def test_extend_rows_are_the_same_cold_chunked_and_warm(kernels):
     assert torch.isfinite(cold).all()
     for cuts in ([256, 512], [1, 77, 300], [S - 1], [S - 5]):
         assert torch.equal(served(cuts), cold), cuts
+
+
+def test_forward_profile_records_each_extend_and_changes_nothing(tmp_path, monkeypatch):
+    """SGLANG_TASQ_PROFILE (what bench.prefill reads): one JSON line per forward, written after
+    the last layer, with the encode / codes / attention parts inside the forward's time; the
+    served rows are the same with and without it."""
+    import types
+
+    from _pools import make_backend, make_pool
+    from sglang_tasq.srt import profile
+
+    cfg = TaSQConfig(codebook_size_k=256, codebook_size_v=256, sink_window=8, recent_window=40)
+    cb = random_codebooks(num_layers=2, num_kv_heads=3, head_dim=32, config=cfg, seed=5)
+    S = 300
+    layers = [types.SimpleNamespace(tp_q_head_num=9, tp_k_head_num=3, qk_head_dim=32, v_head_dim=32, layer_id=i,
+                                    scaling=32 ** -0.5) for i in range(2)]
+    torch.manual_seed(0)
+    q = torch.randn(S, 9 * 32).bfloat16()
+    k, v = (2 * torch.randn(S, 3 * 32)).bfloat16(), torch.randn(S, 3 * 32).bfloat16()
+
+    def served(path):
+        if path is None:
+            monkeypatch.delenv(profile.ENV, raising=False)
+        else:
+            monkeypatch.setenv(profile.ENV, str(path))
+        pool = make_pool(cb, size=S + 8, window_rows=2)
+        backend = make_backend(pool, req_rows=2, max_context_len=S + 8)
+        backend.req_to_token_pool.req_to_token[1, :S] = torch.arange(1, S + 1)
+        pool._live[1] = (0, 0)
+        out = []
+        for a, b in ((0, 200), (200, S)):  # two forwards (chunks), two layers each
+            fb = types.SimpleNamespace(seq_lens=torch.tensor([b]), extend_seq_lens=torch.tensor([b - a]),
+                                       req_pool_indices=torch.tensor([1]), positions=torch.arange(a, b),
+                                       out_cache_loc=torch.arange(a + 1, b + 1), forward_mode=_Extend())
+            backend.init_forward_metadata(fb)
+            out += [backend._forward(q[a:b], k[a:b], v[a:b], lay, fb, True) for lay in layers]
+        return torch.cat(out)
+
+    path = tmp_path / "prof.jsonl"
+    assert torch.equal(served(path), served(None))
+    recs = profile.read(path)
+    assert [(r["mode"], r["tokens"]) for r in recs] == [("extend", 200), ("extend", 100)]
+    for r in recs:
+        assert set(r["parts_s"]) == {"store", "codes", "attention"}
+        assert all(t > 0 for t in r["parts_s"].values())
+        assert sum(r["parts_s"].values()) <= r["forward_s"]
+    assert profile.read(tmp_path / "missing.jsonl") == []

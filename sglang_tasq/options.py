@@ -12,6 +12,9 @@ Serving (:class:`ServeOptions`, parsed once per process by :meth:`ServeOptions.f
   instead of the Numba kernels (default 1).
 - ``SGLANG_TASQ_CUDA_VIEW_TOKENS``: tokens of decoded keys the CUDA extend path materializes
   at once (default 32768).
+- ``SGLANG_TASQ_PROFILE``: a file each TaSQ server process appends one line per forward to
+  (its time and the backend's encode / codes / attention parts: :mod:`sglang_tasq.srt.profile`;
+  unset by default: nothing timed). ``bench.prefill`` sets it.
 
 Elsewhere: ``TASQ_CACHE`` (where models, corpora and artifacts are built once; default
 ``~/.cache/sglang-tasq``), and :func:`child_env` / :func:`passive_omp` for the processes the
@@ -28,6 +31,7 @@ ENV_CONFIG = "SGLANG_TASQ_CONFIG"
 ENV_WINDOW_ROWS = "SGLANG_TASQ_WINDOW_ROWS"
 ENV_CPU_KERNELS = "SGLANG_TASQ_CPU_KERNELS"
 ENV_CUDA_VIEW_TOKENS = "SGLANG_TASQ_CUDA_VIEW_TOKENS"
+ENV_PROFILE = "SGLANG_TASQ_PROFILE"
 DEFAULT_WINDOW_ROWS = 128
 DEFAULT_CUDA_VIEW_TOKENS = 32768
 
@@ -109,6 +113,11 @@ def child_env(drop: tuple = (), **overrides: str) -> dict:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update({k: str(v) for k, v in overrides.items()})
     return env
+
+
+def profile_path() -> Optional[str]:
+    """Where the backend writes its per-forward time split (``SGLANG_TASQ_PROFILE``), or None."""
+    return os.environ.get(ENV_PROFILE) or None
 
 
 def set_env(name: str, value: str) -> None:

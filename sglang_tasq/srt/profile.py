@@ -21,7 +21,8 @@ import os
 import time
 from contextlib import contextmanager
 
-ENV = "SGLANG_TASQ_PROFILE"
+from ..options import ENV_PROFILE as ENV
+from ..options import profile_path
 
 
 class ForwardProfile:
@@ -69,7 +70,7 @@ class ForwardProfile:
 
 
 def from_env() -> ForwardProfile:
-    return ForwardProfile(os.environ.get(ENV))
+    return ForwardProfile(profile_path())
 
 
 def read(path) -> list:

@@ -127,6 +127,9 @@ def test_summarize_from_given_numbers():
     r = s["tasq_vs_bf16"]
     assert r["pool_tokens_ratio"] == round(18000 / 4369, 2) and r["ttft_c1_ratio"] == 1.5
     assert r["prefill_overhead_ms"] == 500.0 and r["throughput_ratio"] == {"1": 0.8}
+    # peaks over the sweep: bf16's at 8 (4 running), TaSQ's only finished level, 1
+    assert b["peak"] == {"output_tok_s": 10.0, "concurrency": 8, "running": 4}
+    assert t["peak"] == {"output_tok_s": 4.0, "concurrency": 1, "running": 1} and r["peak_ratio"] == 0.4
     assert s["workload"]["tokens_per_request"] == 1056 and s["hardware"]["cores"] == 2
     assert "tasq_vs_bf16" not in serving_report.summarize({"bf16": RESULTS["bf16"]}, WORKLOAD, HW)
 
@@ -142,6 +145,11 @@ def test_markdown_and_files(tmp_path):
     assert "| bf16 | 8 | 10.00 | 330.0 | 9000.0 | 9000.0 | 100.0 | 4 / 4 |" in md
     assert "| tasq | 8 | error: timed out" in md
     assert "4.12x pool tokens" in md and "1500.0 ms vs 1000.0 ms (1.5x" in md and "output throughput 0.8x at 1" in md
+    assert "tasq 4.00 tok/s at concurrency 1 (1 running), bf16 10.00 tok/s at concurrency 8 (4 running)" in md
+    no_c1 = {k: {**v, "runs": {c: r for c, r in v.get("runs", {}).items() if c != "1"}} for k, v in RESULTS.items()}
+    no_c1["tasq"]["runs"]["8"] = _run(12.0, 9500.0, 8, 0)
+    md = serving_report.to_markdown(serving_report.summarize(no_c1, WORKLOAD, HW))
+    assert "TTFT at concurrency 1" not in md and "None" not in md and "TaSQ / bf16 **1.2x**" in md
 
 
 def test_merge_best_keeps_the_fastest_round_per_concurrency():

@@ -92,7 +92,7 @@ def summarize(recs: list, point_scores: dict | None, base_scores: dict | None, b
     scored = [r for r in recs if r["recall"] is not None]
     out = {"samples": len(recs), "scored": len(scored),
            "needle_in_windows": len(recs) - len(scored),
-           "recall": vars(stats.mean_interval([r["recall"] for r in scored])) if scored else None,
+           "recall_pct": vars(stats.mean_interval([100.0 * r["recall"] for r in scored])) if scored else None,
            "all_kept": sum(r["recall"] == 1.0 for r in scored), "budget": budget,
            "median_best_rank": statistics.median(r["best_rank"] for r in scored) if scored else None,
            "best_in_budget": sum(r["best_rank"] < budget for r in scored)}
@@ -106,7 +106,7 @@ def summarize(recs: list, point_scores: dict | None, base_scores: dict | None, b
 
 
 def table(rows: list) -> str:
-    head = ("| length | point | samples (needle in windows) | recall of value tokens [95%] | all kept | best value "
+    head = ("| length | point | samples (needle in windows) | recall of value tokens, % [95%] | all kept | best value "
             "token's median rank (in budget) | NIAH, all kept: point / base | NIAH, missed: point / base |\n"
             "|---|---|---|---|---|---|---|---|\n")
 
@@ -118,7 +118,7 @@ def table(rows: list) -> str:
 
     body = "".join(
         f"| {r['length']} | {r['point']} | {s['samples']} ({s['needle_in_windows']}) "
-        f"| {stats.text(s['recall']) if s['recall'] else '-'} | {s['all_kept']}/{s['scored']} "
+        f"| {stats.text(s['recall_pct']) if s['recall_pct'] else '-'} | {s['all_kept']}/{s['scored']} "
         f"| {s['median_best_rank']} ({s['best_in_budget']}/{s['scored']} < {s['budget']}) "
         f"| {niah_cell(s, 'all_kept')} | {niah_cell(s, 'missed')} |\n"
         for r in rows for s in [r["summary"]])

@@ -46,16 +46,18 @@ def packer(kernels: Optional[bool] = None):
 
 
 def unpacker(kernels: Optional[bool] = None):
-    """``unpack(packed, n, bits) -> codes [T, n] int64`` (== :func:`packing.unpack_codes`)."""
+    """``unpack(packed, n, bits) -> codes [T, n] int64`` (== :func:`packing.unpack_codes`): the
+    Numba kernel for CPU tensors, else :class:`packing.Unpacker` (one gather per code)."""
+    table = packing.Unpacker()
     if not (kernels_default() if kernels is None else kernels):
-        return packing.unpack_codes
+        return table
 
     def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-        if packed.device.type == "cpu":
+        if packed.device.type == "cpu" and bits <= 56:
             from numba_kernels import cpu
 
             return cpu.unpack(packed, n, bits)
-        return packing.unpack_codes(packed, n, bits)
+        return table(packed, n, bits)
 
     return unpack
 

@@ -92,7 +92,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.cpu_kernels = self.options.cpu_kernels
         self._near_k = fastpath.layer_nearest(self.codebooks.tailored_k_codebook, self.cpu_kernels)
         self._near_v = fastpath.layer_nearest(lambda layer: self.codebooks.v_codebook[layer], self.cpu_kernels)
-        self._unpack = packing.Unpacker()
+        self._unpack = fastpath.unpacker(self.cpu_kernels)  # the codes a prefill reads
         self._dec_tables = {}
         self._rope = None
         self._encoder = None

@@ -58,7 +58,7 @@ def test_summary_splits_retrieval_by_recall():
     base = {("a", 0): 0.0, ("a", 1): 0.0, ("b", 0): 100.0, ("b", 1): 100.0}
     s = SR.summarize(recs, point, base, budget=4)
     assert (s["samples"], s["scored"], s["needle_in_windows"], s["all_kept"]) == (4, 3, 1, 1)
-    assert s["recall"]["mean"] == 0.5 and s["median_best_rank"] == 3 and s["best_in_budget"] == 2
+    assert s["recall_pct"]["mean"] == 50.0 and s["median_best_rank"] == 3 and s["best_in_budget"] == 2
     assert s["niah_point_all_kept"] == {"mean": 100.0, "n": 1} and s["niah_base_all_kept"] == {"mean": 0.0, "n": 1}
     assert s["niah_point_missed"] == {"mean": 25.0, "n": 2} and s["niah_base_missed"] == {"mean": 50.0, "n": 2}
     assert "| 1/3 |" in SR.table([{"point": "p", "length": 1024, "summary": s}])

@@ -159,25 +159,27 @@ def main(argv=None) -> int:
         spec = M.parse(name)
         built[name] = M.build(spec, M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides), fp)
     run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, None)
-    rows = []
     for length in a.lengths:
         for p in points:
             path = run_dir / "recall" / f"{p.slug}__{length}.json"
-            if path.is_file():
-                recs = json.loads(path.read_text())["samples"]
-            else:
+            if not path.is_file():
                 t0 = time.time()
                 recs = [selection(model, tok, built[p.method], p, s) for task in a.tasks
                         for s in _samples(tok, task, length, a.samples)]
                 write_json(path, {"point": p.name, "length": length, "samples": recs,
                                   "seconds": round(time.time() - t0, 1)})
-            items = {}
-            for name in (p.name, a.base):
-                f = run_dir / "items" / f"{Point.parse(name).slug}__{length}.json"
-                items[name] = per_sample(json.loads(f.read_text())) if f.is_file() else None
-            s = summarize(recs, items[p.name], items[a.base], p.budget)
-            rows.append({"point": p.name, "length": length, "summary": s})
-            print(f"[salient_recall] {p.name} length={length}: {json.dumps(s)}", flush=True)
+    rows = []
+    for path in sorted((run_dir / "recall").glob("*__*.json")):  # every point any run put here
+        rec = json.loads(path.read_text())
+        p, length = Point.parse(rec["point"]), rec["length"]
+        items = {}
+        for name in (p.name, a.base):
+            f = run_dir / "items" / f"{Point.parse(name).slug}__{length}.json"
+            items[name] = per_sample(json.loads(f.read_text())) if f.is_file() else None
+        s = summarize(rec["samples"], items[p.name], items[a.base], p.budget)
+        rows.append({"point": p.name, "length": length, "summary": s})
+        print(f"[salient_recall] {p.name} length={length}: {json.dumps(s)}", flush=True)
+    rows.sort(key=lambda r: (r["length"], r["point"]))
     md = table(rows)
     (run_dir / "recall" / "recall.md").write_text(
         f"# Salient selection against the needle, {a.model}, decode view, {a.samples} samples per task\n\n"

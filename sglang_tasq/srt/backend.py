@@ -176,14 +176,13 @@ class TaSQAttnBackend(AttentionBackend):
         """The keys and values a chunk's queries read (:meth:`_attend`): (decoded keys, exact-or-
         decoded keys, both post-RoPE at positions 0..S-1; decoded values, exact-or-decoded values)."""
         pool = self.pool
-        q_device = slots.device
         P = S - Tq
         cfg = pool.tasq_config
         sink, recent = cfg.sink_window, cfg.recent_window
         k_dec, v_dec = pool.read_codes(layer.layer_id, slots)
         k_ex, v_ex = k_dec.clone(), v_dec.clone()
         if P:  # the prefix keys some query of the chunk reads exactly (begin_forward checked their entries)
-            j = torch.arange(P, device=q_device)
+            j = torch.arange(P, device=slots.device)
             need = (j < sink) | (j >= P + 1 - recent)
             pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
         # the chunk's keys as the exact store keeps them (bf16 of the pre-RoPE key): a window key

@@ -101,7 +101,7 @@ def run(a) -> dict:
             for r in range(a.reps):
                 order = list(servers) if r % 2 == 0 else list(servers)[::-1]
                 for name in order:
-                    seen = len(profile.read(prof_path))
+                    seen = len(profile.read(prof_path)) if name == "tasq" else 0  # only TaSQ writes it
                     times[name].append(ttft(servers[name][1], ids))
                     if name == "tasq":
                         parts.append(split(profile.read(prof_path)[seen:]))

@@ -17,7 +17,8 @@ Names (``parse``):
   rotated INT2) and ``novakv1`` (at TaSQ's rate: keys 8 x 1024, values TaSQ's VQ), each
   from its own ``--method novakv`` artifact (``novakv_g4k256``, ``novakv_g8k1024``);
 * rate points: ``cq@g4k256``, ``tasq@g8k16``, ... (group size g, codebook size K, both
-  sides); ``@g8k1024`` is the reference rate and reuses the plain ``cq``/``tasq`` artifact.
+  sides), or keys and values apart, ``tasq@g4k256/g8k512`` (keys / values); ``@g8k1024`` is
+  the reference rate and reuses the plain ``cq``/``tasq`` artifact.
 
 Artifacts live in ``<root>/<preset>/<artifact_name>/tasq.json`` unless a path is given for
 that artifact name (``overrides``). Window settings are ``"none"`` or ``"SINK+RECENT"``.
@@ -42,7 +43,7 @@ NSN_METHODS = {"nsnquant": 1, "nsnquant2": 2}
 NOVA_METHODS = {"novakv": (4, 256, 2), "novakv1": (8, 1024, None)}
 METHODS = (*BASELINES, "cq", "cq_pairs", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only",
            *NSN_METHODS, *NOVA_METHODS)
-_RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)$")
+_RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)(?:/g(\d+)k(\d+))?$")
 _TP = re.compile(r"^tasq_tp(\d+)$")  # TaSQ calibrated to serve at TP N (key scale per rank's heads)
 
 
@@ -59,26 +60,44 @@ class MethodSpec:
     keys: bool = True  # False: keys stay in the model dtype
     values: bool = True
     tp: int = 1  # the tensor-parallel degree it is calibrated for (``calibrate --tp``)
+    group_size_v: Optional[int] = None  # the values' rate when it differs from the keys' (None: the same)
+    codebook_size_v: Optional[int] = None
+
+    @property
+    def value_rate(self) -> tuple[int, int]:
+        return (self.group_size_v or self.group_size, self.codebook_size_v or self.codebook_size)
+
+    @property
+    def split_rate(self) -> bool:
+        return self.value_rate != (self.group_size, self.codebook_size)
 
     @property
     def named_rate(self) -> bool:
         """The rate is part of the artifact's name and calibration flags (NovaKV's always is:
         its default key rate is not the reference one)."""
-        return (self.group_size, self.codebook_size) != (REF_G, REF_K) or self.calib == "novakv"
+        return ((self.group_size, self.codebook_size) != (REF_G, REF_K) or self.split_rate
+                or self.calib == "novakv")
 
     @property
     def artifact_name(self) -> Optional[str]:
         if self.calib is None:
             return None
         base = self.calib + (f"_{self.ablation}" if self.ablation else "") + (f"_tp{self.tp}" if self.tp > 1 else "")
-        return base + (f"_g{self.group_size}k{self.codebook_size}" if self.named_rate else "")
+        rate = f"_g{self.group_size}k{self.codebook_size}" if self.named_rate else ""
+        if self.split_rate:
+            rate += "_g{}k{}".format(*self.value_rate)
+        return base + rate
 
     def calibrate_argv(self, model: str, preset: str, out: Path) -> list[str]:
         argv = [sys.executable, "-m", "calibrate", "--model", model, "--out", str(out), "--preset", preset,
                 "--method", self.calib, "--quiet"]
         if self.ablation:
             argv += ["--ablation", self.ablation]
-        if self.named_rate:
+        if self.split_rate:
+            gv, kv = self.value_rate
+            argv += ["--group-size-k", str(self.group_size), "--codebook-size-k", str(self.codebook_size),
+                     "--group-size-v", str(gv), "--codebook-size-v", str(kv)]
+        elif self.named_rate:
             argv += ["--group-size", str(self.group_size), "--codebook-size", str(self.codebook_size)]
         if self.tp > 1:
             argv += ["--tp", str(self.tp)]
@@ -95,8 +114,9 @@ class MethodSpec:
         want = {k: getattr(cfg, k) for k in ("weighting", "scale", "grouping", "fisher", "key_rope")}
         if self.tp > 1:  # one scale group per rank (a model with fewer KV heads than ranks: one per head)
             want["scale_groups"] = self.tp
+        gv, kv = self.value_rate
         return {**want, "group_size_k": self.group_size, "codebook_size_k": self.codebook_size,
-                "group_size_v": self.group_size, "codebook_size_v": self.codebook_size}
+                "group_size_v": gv, "codebook_size_v": kv}
 
 
 def parse(name: str) -> MethodSpec:
@@ -119,8 +139,11 @@ def parse(name: str) -> MethodSpec:
         return MethodSpec(name, calib="tasq", tp=int(m.group(1)))
     m = _RATE.match(name)
     if m:
-        return MethodSpec(name, calib=m.group(1), group_size=int(m.group(2)), codebook_size=int(m.group(3)))
-    raise ValueError(f"method {name!r}: allowed {METHODS}, rate points like 'tasq@g8k256' or TP-calibrated "
+        gv, kv = (int(m.group(4)), int(m.group(5))) if m.group(4) else (None, None)
+        return MethodSpec(name, calib=m.group(1), group_size=int(m.group(2)), codebook_size=int(m.group(3)),
+                          group_size_v=gv, codebook_size_v=kv)
+    raise ValueError(f"method {name!r}: allowed {METHODS}, rate points like 'tasq@g8k256' (keys / values apart: "
+                     "'tasq@g4k256/g8k512') or TP-calibrated "
                      "TaSQ like 'tasq_tp3'")
 
 

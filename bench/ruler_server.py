@@ -1,7 +1,7 @@
 """RULER NIAH through real SGLang servers: the quality suite's "server" view.
 
-For each method the server can run (:func:`server_kind`: bf16, and the plain calibrated
-``tasq`` artifact) one ``sglang.launch_server`` on 127.0.0.1 (:func:`bench.serving.server_cmd`'s
+For each method the server can run (:func:`server_kind`: bf16, and plain calibrated TaSQ
+artifacts at any rate) one ``sglang.launch_server`` on 127.0.0.1 (:func:`bench.serving.server_cmd`'s
 CPU recipe, with the radix cache ON, ``--chunked-prefill-size 256`` so that a 1k-2k prompt is
 prefilled in several chunks, ``--max-running-requests 4`` and ``--enable-cache-report``) answers
 the decode view's samples (:func:`bench.ruler._samples`: same builder, same seed) through
@@ -44,19 +44,19 @@ MEM_FRACTION = 0.15  # bf16 at 1k: 64 prompts x ~1k tokens must stay in the radi
 # what the server view's numbers depend on besides the suite's config (part of the run name)
 SERVER_KEY = {"chunked_prefill_size": CHUNK, "radix_cache": True, "max_running_requests": MAX_RUNNING,
               "concurrency": CONCURRENCY, "mem_fraction_static": MEM_FRACTION, "passes": ["cold", "warm"]}
-SERVABLE = "bf16 and the plain calibrated tasq artifact"
+SERVABLE = "bf16 and plain calibrated TaSQ artifacts: tasq, its rate points tasq@..., tasq_tpN"
 
 
 # ---- which methods, which windows ---------------------------------------------------------
 def server_kind(name: str):
     """"bf16" or "tasq": the server that runs method ``name``; None when no server does."""
-    from .methods import REF_G, REF_K, parse
+    from .methods import parse
 
     spec = parse(name)
     if spec.closed_form == "bf16":
         return "bf16"
-    plain = spec.ablation is None and spec.keys and spec.values
-    if spec.calib == "tasq" and plain and (spec.group_size, spec.codebook_size) == (REF_G, REF_K):
+    plain = spec.ablation is None and spec.keys and spec.values  # every stage on, both sides coded
+    if spec.calib == "tasq" and plain:
         return "tasq"
     return None
 

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import sys
 
-from sglang_tasq.config import ABLATIONS, ConfigError, TaSQConfig
+from sglang_tasq.config import ABLATIONS, RATES, ConfigError, TaSQConfig
 
 PRESETS = ("default", "fast")
 
@@ -27,8 +27,18 @@ def build_config(a: argparse.Namespace) -> TaSQConfig:
             "weighting", "scale", "grouping", "fisher", "key_rope", "group_size_k", "codebook_size_k")})
     if a.ablation:
         base = base.ablation(a.ablation)
-    overrides = {"group_size_k": a.group_size, "group_size_v": a.group_size, "codebook_size_k": a.codebook_size,
-                 "codebook_size_v": a.codebook_size, "calib_tokens": a.tokens, "kmeans_iters": a.iters,
+    if a.rate is not None:
+        sizes = [f for f in ("group_size", "codebook_size", "group_size_k", "codebook_size_k", "group_size_v",
+                             "codebook_size_v") if getattr(a, f) is not None]
+        if sizes:
+            raise ConfigError(f"--rate {a.rate} sets the group and codebook sizes; it cannot be combined with "
+                              + ", ".join("--" + f.replace("_", "-") for f in sizes))
+        gk, kk, gv, kv = RATES[a.rate]
+        base = dataclasses.replace(base, group_size_k=gk, codebook_size_k=kk, group_size_v=gv, codebook_size_v=kv)
+    side = lambda one, both: one if one is not None else both  # noqa: E731  (a side's flag beats --group-size)
+    overrides = {"group_size_k": side(a.group_size_k, a.group_size), "group_size_v": side(a.group_size_v, a.group_size),
+                 "codebook_size_k": side(a.codebook_size_k, a.codebook_size),
+                 "codebook_size_v": side(a.codebook_size_v, a.codebook_size), "calib_tokens": a.tokens, "kmeans_iters": a.iters,
                  "max_kmeans_samples": a.kmeans_samples, "kmeans_tol": a.kmeans_tol, "fisher_tokens": a.fisher_tokens, "seed": a.seed,
                  "sink_window": a.sink, "recent_window": a.recent}
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
@@ -53,6 +63,13 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpus", choices=("wiki", "code"), default="wiki")
     ap.add_argument("--group-size", type=int, help="channels per group, K and V (default 8)")
     ap.add_argument("--codebook-size", type=int, help="centroids per codebook, K and V (default 1024)")
+    ap.add_argument("--rate", choices=tuple(RATES),
+                    help="a named rate, the mean code bits per element: " + "; ".join(
+                        f"{n}: keys g={r[0]} K={r[1]}, values g={r[2]} K={r[3]}" for n, r in RATES.items())
+                    + " (default: 1.3, the paper's)")
+    for side, name in (("k", "keys"), ("v", "values")):
+        ap.add_argument(f"--group-size-{side}", type=int, help=f"channels per group for the {name} only")
+        ap.add_argument(f"--codebook-size-{side}", type=int, help=f"centroids per codebook for the {name} only")
     ap.add_argument("--tokens", type=int, help="calibration tokens")
     ap.add_argument("--fisher-tokens", type=int, help="tokens that get a backward pass for the Fisher")
     ap.add_argument("--iters", type=int, help="at most this many Lloyd iterations (default 25)")

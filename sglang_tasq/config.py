@@ -28,6 +28,14 @@ KEY_ROPES = ("pre", "post")
 # "tree": the two-level fit of artifacts made before the flat Lloyd (recorded, no longer fitted)
 KMEANS = ("flat", "tree")
 ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "dense_weighting")
+# the rates a user picks by name (``calibrate --rate``): name -> (group_size_k, codebook_size_k,
+# group_size_v, codebook_size_v); the name is the mean code bits per element of keys and values,
+# the keys' fp16 shared scale included (SmolLM2: 3 KV heads x 64 dims share one scale per token)
+RATES = {
+    "1.3": (8, 1024, 8, 1024),  # the paper's rate: K 1.333, V 1.25
+    "1.6": (4, 256, 8, 512),  # keys get the bits retrieval needs: K 2.083, V 1.125
+    "2.1": (4, 256, 4, 256),  # K 2.083, V 2.0
+}
 
 
 class ConfigError(ValueError):

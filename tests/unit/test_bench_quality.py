@@ -153,7 +153,14 @@ def test_method_names():
     assert "--ablation" in s.calibrate_argv("m", "fast", "out")
     r = M.parse("cq@g4k256")
     assert r.artifact_name == "cq_g4k256" and r.expected_config()["weighting"] == "none"
-    assert M.parse("tasq@g8k1024").artifact_name == "tasq"
+    assert M.parse("tasq@g8k1024").artifact_name == "tasq" == M.parse("tasq@g8k1024/g8k1024").artifact_name
+    split = M.parse("tasq@g4k256/g8k512")  # keys / values at their own rates
+    assert split.artifact_name == "tasq_g4k256_g8k512" and M.parse("tasq@g4k256/g4k256").artifact_name == "tasq_g4k256"
+    assert {k: split.expected_config()[k] for k in ("group_size_k", "codebook_size_k", "group_size_v", "codebook_size_v")} \
+        == {"group_size_k": 4, "codebook_size_k": 256, "group_size_v": 8, "codebook_size_v": 512}
+    argv = split.calibrate_argv("m", "default", "out")
+    assert argv[argv.index("--codebook-size-k") + 1] == "256" and argv[argv.index("--codebook-size-v") + 1] == "512"
+    assert "--group-size" not in argv
     assert M.parse("cq").expected_config()["grouping"] == "channels" and M.parse("cq").expected_config()["fisher"]
     cp = M.parse("cq_pairs")
     assert cp.expected_config()["grouping"] == "contiguous" and not cp.expected_config()["fisher"]

@@ -14,8 +14,9 @@ from bench import report, ruler_server as RS
 
 def test_server_kind_and_refusal():
     assert RS.server_kind("bf16") == "bf16"
-    assert RS.server_kind("tasq") == RS.server_kind("tasq@g8k1024") == "tasq"
-    for name in ("fp8_e4m3", "kivi2", "cq", "tasq_no_grouping", "tasq_keys_only", "tasq_values_only", "tasq@g8k256"):
+    for name in ("tasq", "tasq@g8k1024", "tasq@g8k256", "tasq@g4k256/g8k512", "tasq_tp3"):  # TaSQ at any rate
+        assert RS.server_kind(name) == "tasq", name
+    for name in ("fp8_e4m3", "kivi2", "cq", "cq@g4k256", "tasq_no_grouping", "tasq_keys_only", "tasq_values_only"):
         assert RS.server_kind(name) is None, name
         with pytest.raises(ValueError) as e:
             RS.check_servable(["bf16", name])

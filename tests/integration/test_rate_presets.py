@@ -1,0 +1,59 @@
+"""A named rate other than the paper's, served: ``calibrate --rate 1.6`` (keys 4-dim groups x 256
+codewords, values 8 x 512, so 8- and 9-bit codes and two group sizes in one pool) through a real
+SGLang server gives the NIAH answers the HF decode view gives on the same artifact and samples.
+
+The artifact is a fast-preset calibration of SmolLM2 (cached; ~1 min on 2 cores): the check is
+that the server reads what the HF cache reads, not the preset's quality. The samples are RULER
+tasks that TaSQ answers at 1k, so that agreeing answers are not two failures agreeing."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench import quality as Q
+from bench import ruler, ruler_server as RS
+from bench.methods import parse
+
+from _support import ROOT
+
+NAME = "tasq@g4k256/g8k512"  # what --rate 1.6 makes
+TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
+
+
+@pytest.fixture(scope="module")
+def rate_artifact() -> Path:
+    from sglang_tasq.paths import cache_dir
+
+    out = cache_dir("artifacts") / "smollm2_rate1.6_fast"
+    if not (out / "tasq.json").is_file():
+        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out), "--rate", "1.6",
+                        "--preset", "fast", "--quiet"], check=True, cwd=str(ROOT), timeout=1200)
+    return out
+
+
+def test_rate_1_6_served_answers_as_the_decode_view(tmp_path, rate_artifact, smollm2_tokenizer):
+    spec = parse(NAME)
+    assert spec.artifact_name == "tasq_g4k256_g8k512"
+    cfg = Q.QualityConfig(methods=(NAME,), benches=("ruler",), niah_view="server", niah_methods=(NAME,), preset="fast",
+                          niah_lengths=(1024,), niah_samples=1, niah_tasks=TASKS, niah_max_new=64,
+                          artifacts=((spec.artifact_name, str(rate_artifact)),))
+    decode_cfg = dataclasses.replace(cfg, niah_view="decode")
+    logs = []
+    dctx = Q.build_context(decode_cfg, tmp_path / decode_cfg.name(), logs.append)
+    assert dctx.bits[NAME] == (2.0833, 1.125)
+    dec = ruler.run(dctx, settings=("64+256",))[NAME]["64+256"]["1024"]
+
+    sctx = SimpleNamespace(cfg=cfg, tok=smollm2_tokenizer, methods={NAME: None}, run_dir=tmp_path / cfg.name(),
+                           log=logs.append)
+    item = RS.run(sctx)[NAME]["64+256"]["1024"]  # served with the artifact's windows; joined with the decode run
+    assert item["decode_run"] == decode_cfg.name() and item["n_preds"] == len(TASKS)
+    print({t: (dec["tasks"][t], item["tasks"][t]) for t in TASKS},
+          [(p["pred"], p["decode_pred"]) for p in item["preds"]])
+    assert dec["avg"] > 0, dec["preds"]  # the decode view finds needles: agreement below is not vacuous
+    assert item["agree_score_all"] == 1.0 and item["tasks"] == dec["tasks"], (item["tasks"], dec["tasks"])
+    assert item["warm_equal_all"] == 1.0, [(p["pred"], p["pred_warm"]) for p in item["preds"]]

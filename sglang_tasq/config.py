@@ -33,7 +33,7 @@ ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "den
 # the keys' fp16 shared scale included (SmolLM2: 3 KV heads x 64 dims share one scale per token)
 RATES = {
     "1.3": (8, 1024, 8, 1024),  # the paper's rate: K 1.333, V 1.25
-    "1.6": (4, 256, 8, 512),  # keys get the bits retrieval needs: K 2.083, V 1.125
+    "1.7": (4, 256, 8, 1024),  # keys get the bits retrieval needs: K 2.083, V 1.25
     "2.1": (4, 256, 4, 256),  # K 2.083, V 2.0
 }
 

@@ -1,5 +1,5 @@
-"""A named rate other than the paper's, served: ``calibrate --rate 1.6`` (keys 4-dim groups x 256
-codewords, values 8 x 512, so 8- and 9-bit codes and two group sizes in one pool) through a real
+"""A named rate other than the paper's, served: ``calibrate --rate 1.7`` (keys 4-dim groups x 256
+codewords, values 8 x 1,024: 8- and 10-bit codes and two group sizes in one pool) through a real
 SGLang server gives the NIAH answers the HF decode view gives on the same artifact and samples.
 
 The artifact is a fast-preset calibration of SmolLM2 (cached; ~1 min on 2 cores): the check is
@@ -21,7 +21,7 @@ from bench.methods import parse
 
 from _support import ROOT
 
-NAME = "tasq@g4k256/g8k512"  # what --rate 1.6 makes
+NAME = "tasq@g4k256/g8k1024"  # what --rate 1.7 makes
 TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
 
 
@@ -29,23 +29,23 @@ TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
 def rate_artifact() -> Path:
     from sglang_tasq.paths import cache_dir
 
-    out = cache_dir("artifacts") / "smollm2_rate1.6_fast"
+    out = cache_dir("artifacts") / "smollm2_rate1.7_fast"
     if not (out / "tasq.json").is_file():
-        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out), "--rate", "1.6",
+        subprocess.run([sys.executable, "-m", "calibrate", "--model", "smollm2-135m", "--out", str(out), "--rate", "1.7",
                         "--preset", "fast", "--quiet"], check=True, cwd=str(ROOT), timeout=1200)
     return out
 
 
-def test_rate_1_6_served_answers_as_the_decode_view(tmp_path, rate_artifact, smollm2_tokenizer):
+def test_rate_1_7_served_answers_as_the_decode_view(tmp_path, rate_artifact, smollm2_tokenizer):
     spec = parse(NAME)
-    assert spec.artifact_name == "tasq_g4k256_g8k512"
+    assert spec.artifact_name == "tasq_g4k256_g8k1024"
     cfg = Q.QualityConfig(methods=(NAME,), benches=("ruler",), niah_view="server", niah_methods=(NAME,), preset="fast",
                           niah_lengths=(1024,), niah_samples=1, niah_tasks=TASKS, niah_max_new=64,
                           artifacts=((spec.artifact_name, str(rate_artifact)),))
     decode_cfg = dataclasses.replace(cfg, niah_view="decode")
     logs = []
     dctx = Q.build_context(decode_cfg, tmp_path / decode_cfg.name(), logs.append)
-    assert dctx.bits[NAME] == (2.0833, 1.125)
+    assert dctx.bits[NAME] == (2.0833, 1.25)
     dec = ruler.run(dctx, settings=("64+256",))[NAME]["64+256"]["1024"]
 
     sctx = SimpleNamespace(cfg=cfg, tok=smollm2_tokenizer, methods={NAME: None}, run_dir=tmp_path / cfg.name(),

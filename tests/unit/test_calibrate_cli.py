@@ -21,19 +21,19 @@ def test_named_rates_and_per_side_sizes(capsys):
     parse = lambda *argv: cli.build_config(cli._calibrate_parser().parse_args(["--out", "x", *argv]))  # noqa: E731
     sizes = lambda c: (c.group_size_k, c.codebook_size_k, c.group_size_v, c.codebook_size_v)  # noqa: E731
     assert sizes(parse()) == sizes(parse("--rate", "1.3")) == (8, 1024, 8, 1024)
-    assert sizes(parse("--rate", "2.1")) == (4, 256, 4, 256) and sizes(parse("--rate", "1.6")) == (4, 256, 8, 512)
+    assert sizes(parse("--rate", "2.1")) == (4, 256, 4, 256) and sizes(parse("--rate", "1.7")) == (4, 256, 8, 1024)
     assert sizes(parse("--rate", "2.1", "--preset", "fast")) == (4, 256, 4, 256)
     for name, (gk, kk, gv, kv) in RATES.items():  # each name is its mean code bits, the keys' fp16 scale included
         key_bits = math.log2(kk) / gk + 16 / (3 * 64)
-        assert abs((key_bits + math.log2(kv) / gv) / 2 - float(name)) < 0.07, name  # 1.29, 1.60, 2.04
+        assert abs((key_bits + math.log2(kv) / gv) / 2 - float(name)) < 0.07, name  # 1.29, 1.67, 2.04
     assert sizes(parse("--group-size", "4", "--codebook-size", "64", "--codebook-size-v", "512")) == (4, 64, 4, 512)
     assert sizes(parse("--group-size-k", "4", "--codebook-size-k", "256")) == (4, 256, 8, 1024)
-    with pytest.raises(ConfigError, match="--rate 1.6 .* --codebook-size-k"):  # two answers to one question: refused
-        parse("--rate", "1.6", "--codebook-size-k", "128")
+    with pytest.raises(ConfigError, match="--rate 1.7 .* --codebook-size-k"):  # two answers to one question: refused
+        parse("--rate", "1.7", "--codebook-size-k", "128")
     assert cli.main(["--out", "never-written", "--rate", "2.1", "--group-size", "8"]) == 2
     assert "cannot be combined with --group-size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse("--rate", "1.5")
+        parse("--rate", "1.6")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -2,7 +2,7 @@
 (token, codebook), the Numba twin of ``codec.nearest_codeword``.
 
 ``_nearest`` / ``_nearest_serial`` (codeword-vector kernel, parallel or not), ``_nearest_lanes``
-(tokens across SIMD lanes, g == 8 and many tokens), ``_nearest_row`` (one row, inlined into the
+and ``_nearest_lanes4`` (tokens across SIMD lanes, g == 8 or 4 and many tokens), ``_nearest_row`` (one row, inlined into the
 fused encoder), the dispatcher ``_search``, and the host API :func:`prepare`, :func:`nearest`
 (per-layer caching: ``codec.LayerNearest(make, prepare, nearest)``).
 """
@@ -161,6 +161,64 @@ def _nearest_lanes(x, cbr, cn, out, best_out):
             best_out[t0 + i, n] = best[i]
 
 
+@njit(parallel=True, cache=True, nogil=True, fastmath=True)
+def _nearest_lanes4(x, cbr, cn, out, best_out):
+    """g == 4 (the keys of ``--rate 1.7`` / ``2.1``), many tokens: :func:`_nearest_lanes` with
+    4-dim codewords, four per step (16 FMAs per lane and step, as the g == 8 kernel's two), the
+    winner of each step taken pairwise in index order so that the first index keeps exact ties."""
+    T, N, g = x.shape
+    K = cbr.shape[1]
+    nblocks = (T + _LANES - 1) // _LANES
+    for item in prange(nblocks * N):
+        blk = item // N
+        n = item - blk * N
+        t0 = blk * _LANES
+        nt = min(T, t0 + _LANES) - t0
+        xt = np.zeros((4, _LANES), np.float32)  # -2 x, transposed; padding lanes stay 0
+        for i in range(nt):
+            for j in range(4):
+                xt[j, i] = np.float32(-2.0) * x[t0 + i, n, j]
+        best = np.full(_LANES, _BIG, np.float32)
+        arg = np.zeros(_LANES, np.int32)
+        K4 = K - K % 4
+        for k in range(0, K4, 4):
+            c0, c1, c2, c3 = cbr[n, k, 0], cbr[n, k, 1], cbr[n, k, 2], cbr[n, k, 3]
+            e0, e1, e2, e3 = cbr[n, k + 1, 0], cbr[n, k + 1, 1], cbr[n, k + 1, 2], cbr[n, k + 1, 3]
+            f0, f1, f2, f3 = cbr[n, k + 2, 0], cbr[n, k + 2, 1], cbr[n, k + 2, 2], cbr[n, k + 2, 3]
+            h0, h1, h2, h3 = cbr[n, k + 3, 0], cbr[n, k + 3, 1], cbr[n, k + 3, 2], cbr[n, k + 3, 3]
+            na, nb, nc, nd = cn[n, k], cn[n, k + 1], cn[n, k + 2], cn[n, k + 3]
+            ka, kb, kc, kd = np.int32(k), np.int32(k + 1), np.int32(k + 2), np.int32(k + 3)
+            for i in range(_LANES):
+                a0, a1, a2, a3 = xt[0, i], xt[1, i], xt[2, i], xt[3, i]
+                da = na + a0 * c0 + a1 * c1 + a2 * c2 + a3 * c3
+                db = nb + a0 * e0 + a1 * e1 + a2 * e2 + a3 * e3
+                dc = nc + a0 * f0 + a1 * f1 + a2 * f2 + a3 * f3
+                dd = nd + a0 * h0 + a1 * h1 + a2 * h2 + a3 * h3
+                s1 = db < da
+                m1 = db if s1 else da
+                k1 = kb if s1 else ka
+                s2 = dd < dc
+                m2 = dd if s2 else dc
+                k2 = kd if s2 else kc
+                s3 = m2 < m1
+                m = m2 if s3 else m1
+                km = k2 if s3 else k1
+                lt = m < best[i]
+                best[i] = m if lt else best[i]
+                arg[i] = km if lt else arg[i]
+        for k in range(K4, K):
+            for i in range(_LANES):
+                dk = cn[n, k]
+                for j in range(4):
+                    dk += xt[j, i] * cbr[n, k, j]
+                if dk < best[i]:
+                    best[i] = dk
+                    arg[i] = np.int32(k)
+        for i in range(nt):
+            out[t0 + i, n] = arg[i]
+            best_out[t0 + i, n] = best[i]
+
+
 @njit(cache=True, inline="always", fastmath=True)
 def _nearest_row(x, t, n, cbr, cn, chunk, dist, lanes, lidx):
     """Nearest codeword of the one row x[t, n] over codeword rows cbr [N, K, g] (the layout the
@@ -181,12 +239,12 @@ def _nearest_row(x, t, n, cbr, cn, chunk, dist, lanes, lidx):
 
 def _search(x: np.ndarray, prepared, out: np.ndarray) -> None:
     """out [T, N] int32 <- nearest codeword of each x [T, N, g] (finite float32): the lane
-    kernel for g == 8 and >= 64 tokens, the codeword-vector kernel otherwise (serial below
+    kernels for g == 8 or 4 and >= 64 tokens, the codeword-vector kernel otherwise (serial below
     64 tokens: no thread launch for a decode step)."""
     cbt, cn, cbr = prepared
     T, g = x.shape[0], x.shape[2]
-    if T >= _SERIAL_BELOW and g == 8:
-        _nearest_lanes(x, cbr, cn, out, np.empty(out.shape, np.float32))
+    if T >= _SERIAL_BELOW and g in (4, 8):
+        (_nearest_lanes if g == 8 else _nearest_lanes4)(x, cbr, cn, out, np.empty(out.shape, np.float32))
     else:
         (_nearest if T >= _SERIAL_BELOW else _nearest_serial)(x, cbt, cn, _ARGMIN_CHUNK, out)  # chunk: runtime
 

@@ -13,11 +13,13 @@ def _distances(x, codebook):
     return ((x.double().unsqueeze(3) - codebook.double().unsqueeze(0)) ** 2).sum(-1)
 
 
-# (1, .., 8): one-token path; (5, .., 8): 4-token block + tail; >= 64 with g == 8: the lane
-# kernel (odd K, T not a multiple of its 64-token block); the rest: the generic kernels
+# (1, .., 8): one-token path; (5, .., 8): 4-token block + tail; >= 64 with g == 8 or 4: the lane
+# kernels (odd K, K not a multiple of 4, T not a multiple of the 64-token block); the rest: the
+# generic kernels
 @pytest.mark.parametrize("T,H,G,K,g", [(1, 1, 1, 2, 2), (1, 3, 8, 1024, 8), (5, 2, 2, 100, 8), (37, 3, 5, 33, 4),
                                        (200, 3, 8, 1024, 8), (130, 2, 3, 257, 8), (64, 1, 1, 1, 8),
-                                       (90, 2, 3, 64, 4), (17, 2, 3, 256, 16)])
+                                       (90, 2, 3, 64, 4), (17, 2, 3, 256, 16), (200, 3, 16, 256, 4),
+                                       (65, 2, 3, 7, 4), (130, 1, 2, 258, 4)])
 def test_nearest_matches_reference(T, H, G, K, g):
     gen = torch.Generator().manual_seed(T + K)
     cb = torch.randn(H, G, K, g, generator=gen)
@@ -34,10 +36,12 @@ def test_nearest_matches_reference(T, H, G, K, g):
     assert float((d_got - d_min).max()) <= 1e-5 * float(d_min.abs().max() + 1)
 
 
-@pytest.mark.parametrize("T,g,dup", [(4, 4, (2, 5)), (70, 8, (2, 5)), (70, 8, (6, 7)), (70, 8, (0, 8)), (1, 8, (6, 7))])
+@pytest.mark.parametrize("T,g,dup", [(4, 4, (2, 5)), (70, 8, (2, 5)), (70, 8, (6, 7)), (70, 8, (0, 8)), (1, 8, (6, 7)),
+                                     (70, 4, (1, 2)), (70, 4, (0, 3)), (70, 4, (2, 5)), (70, 4, (3, 8)), (70, 4, (4, 7))])
 def test_nearest_first_index_on_exact_ties(T, g, dup):
     """Duplicated codewords: the first one wins, as in torch.argmin (also when the two sit in
-    one codeword pair of the lane kernel, and when the duplicate is the odd last one)."""
+    one codeword pair of the g == 8 lane kernel or one step of four of the g == 4 one, in two
+    steps, and when the duplicate is the odd last one)."""
     cb = torch.randn(2, 3, max(8, dup[1] + 1), g)  # K = 9: the duplicate is the odd last codeword
     cb[:, :, dup[1]] = cb[:, :, dup[0]]
     x = cb[:, :, dup[0]].unsqueeze(0).repeat(T, 1, 1, 1) + 1e-3

@@ -105,6 +105,35 @@ def _nearest_py(x, cbt, cn, chunk, out):
 _nearest, _nearest_serial = njit_variants(_nearest_py, fastmath=True)  # serial: small batches, no thread launch
 
 
+@njit(cache=True, inline="always")
+def _lanes_load(x, t0, nt, n, g):
+    """The lane kernels' block: -2 x of tokens t0 .. t0 + nt - 1 of codebook n, transposed to
+    [g, 64] (padding lanes stay 0), and each lane's running minimum and its index."""
+    xt = np.zeros((g, _LANES), np.float32)
+    for i in range(nt):
+        for j in range(g):
+            xt[j, i] = np.float32(-2.0) * x[t0 + i, n, j]
+    return xt, np.full(_LANES, _BIG, np.float32), np.zeros(_LANES, np.int32)
+
+
+@njit(cache=True, inline="always")
+def _lanes_finish(xt, cbr, cn, n, k0, best, arg, t0, nt, out, best_out):
+    """Codewords k0 .. K - 1 one at a time (the tail a kernel's step does not cover), then the
+    block's codes and minima out."""
+    g, K = xt.shape[0], cbr.shape[1]
+    for k in range(k0, K):
+        for i in range(_LANES):
+            dk = cn[n, k]
+            for j in range(g):
+                dk += xt[j, i] * cbr[n, k, j]
+            if dk < best[i]:
+                best[i] = dk
+                arg[i] = np.int32(k)
+    for i in range(nt):
+        out[t0 + i, n] = arg[i]
+        best_out[t0 + i, n] = best[i]
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _nearest_lanes(x, cbr, cn, out, best_out):
     """g == 8, many tokens: x [T, N, 8], cbr [N, K, 8] (codeword rows), cn [N, K] -> out [T, N]
@@ -123,12 +152,7 @@ def _nearest_lanes(x, cbr, cn, out, best_out):
         n = item - blk * N
         t0 = blk * _LANES
         nt = min(T, t0 + _LANES) - t0
-        xt = np.zeros((8, _LANES), np.float32)  # -2 x, transposed; padding lanes stay 0
-        for i in range(nt):
-            for j in range(8):
-                xt[j, i] = np.float32(-2.0) * x[t0 + i, n, j]
-        best = np.full(_LANES, _BIG, np.float32)
-        arg = np.zeros(_LANES, np.int32)
+        xt, best, arg = _lanes_load(x, t0, nt, n, 8)
         for k in range(0, K - 1, 2):
             c0, c1, c2, c3 = cbr[n, k, 0], cbr[n, k, 1], cbr[n, k, 2], cbr[n, k, 3]
             c4, c5, c6, c7 = cbr[n, k, 4], cbr[n, k, 5], cbr[n, k, 6], cbr[n, k, 7]
@@ -147,18 +171,7 @@ def _nearest_lanes(x, cbr, cn, out, best_out):
                 lt = m < best[i]
                 best[i] = m if lt else best[i]
                 arg[i] = km if lt else arg[i]
-        if K % 2:
-            k = K - 1
-            for i in range(_LANES):
-                dk = cn[n, k]
-                for j in range(8):
-                    dk += xt[j, i] * cbr[n, k, j]
-                if dk < best[i]:
-                    best[i] = dk
-                    arg[i] = np.int32(k)
-        for i in range(nt):
-            out[t0 + i, n] = arg[i]
-            best_out[t0 + i, n] = best[i]
+        _lanes_finish(xt, cbr, cn, n, K - K % 2, best, arg, t0, nt, out, best_out)
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
@@ -174,12 +187,7 @@ def _nearest_lanes4(x, cbr, cn, out, best_out):
         n = item - blk * N
         t0 = blk * _LANES
         nt = min(T, t0 + _LANES) - t0
-        xt = np.zeros((4, _LANES), np.float32)  # -2 x, transposed; padding lanes stay 0
-        for i in range(nt):
-            for j in range(4):
-                xt[j, i] = np.float32(-2.0) * x[t0 + i, n, j]
-        best = np.full(_LANES, _BIG, np.float32)
-        arg = np.zeros(_LANES, np.int32)
+        xt, best, arg = _lanes_load(x, t0, nt, n, 4)
         K4 = K - K % 4
         for k in range(0, K4, 4):
             c0, c1, c2, c3 = cbr[n, k, 0], cbr[n, k, 1], cbr[n, k, 2], cbr[n, k, 3]
@@ -206,17 +214,7 @@ def _nearest_lanes4(x, cbr, cn, out, best_out):
                 lt = m < best[i]
                 best[i] = m if lt else best[i]
                 arg[i] = km if lt else arg[i]
-        for k in range(K4, K):
-            for i in range(_LANES):
-                dk = cn[n, k]
-                for j in range(4):
-                    dk += xt[j, i] * cbr[n, k, j]
-                if dk < best[i]:
-                    best[i] = dk
-                    arg[i] = np.int32(k)
-        for i in range(nt):
-            out[t0 + i, n] = arg[i]
-            best_out[t0 + i, n] = best[i]
+        _lanes_finish(xt, cbr, cn, n, K4, best, arg, t0, nt, out, best_out)
 
 
 @njit(cache=True, inline="always", fastmath=True)

@@ -4,7 +4,9 @@ SGLang server gives the NIAH answers the HF decode view gives on the same artifa
 
 The artifact is a fast-preset calibration of SmolLM2 (cached; ~1 min on 2 cores): the check is
 that the server reads what the HF cache reads, not the preset's quality. The samples are RULER
-tasks that TaSQ answers at 1k, so that agreeing answers are not two failures agreeing."""
+tasks that TaSQ answers at 1k, so that agreeing answers are not two failures agreeing, and whose
+answers do not sit at a near-tie (a multi-key sample's wrong answer differed between the views:
+both scored 0, but on another CPU one of them may not)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +24,7 @@ from bench.methods import parse
 from _support import ROOT
 
 NAME = "tasq@g4k256/g8k1024"  # what --rate 1.7 makes
-TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
+TASKS = ("niah_single_1", "niah_single_2")  # answered at 1k (100 in both views): a path that misreads fails them
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-size", type=int, help="channels per group, K and V (default 8)")
     ap.add_argument("--codebook-size", type=int, help="centroids per codebook, K and V (default 1024)")
     ap.add_argument("--rate", choices=tuple(RATES),
-                    help="a named rate, the mean code bits per element: " + "; ".join(
+                    help="a named rate, about the mean code bits per element: " + "; ".join(
                         f"{n}: keys g={r[0]} K={r[1]}, values g={r[2]} K={r[3]}" for n, r in RATES.items())
                     + " (default: 1.3, the paper's)")
     for side, name in (("k", "keys"), ("v", "values")):

@@ -28,14 +28,15 @@ DOMAINS = {"wiki": "wiki", "ood": "code"}  # metric name -> calibrate.corpora co
 
 
 def load_model(name: str):
-    """(model, tokenizer): bf16, eval, decode-view attention."""
+    """(model, tokenizer): eval, decode-view attention, in :func:`sglang_tasq.models.compute_dtype`
+    (bf16, or float32 on a CPU without bf16 matmuls)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_tasq.models import resolve_model
+    from sglang_tasq.models import compute_dtype, resolve_model
 
     path = resolve_model(name)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype()).eval()
     use_decode_view(model)
     return model, tok
 

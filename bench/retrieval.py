@@ -179,8 +179,13 @@ def summarize(items: dict, bits: dict, head_dim: int, ref: str) -> tuple[list, s
     return rows, head + body
 
 
-def run_name(model: str, preset: str, n: int, tasks, max_new) -> str:
-    key = json.dumps({"tasks": list(tasks), "max_new": max_new}, sort_keys=True)
+def run_name(model: str, preset: str, n: int, tasks, max_new, dtype: str = "bfloat16") -> str:
+    """The run folder of a workload; the model's compute dtype is part of it when not bf16 (a
+    float32 run, on a CPU without bf16 matmuls, is not mixed with bf16 items)."""
+    key = {"tasks": list(tasks), "max_new": max_new}
+    if dtype != "bfloat16":
+        key["dtype"] = dtype
+    key = json.dumps(key, sort_keys=True)
     return f"{model}_{preset}_n{n}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
@@ -240,7 +245,8 @@ def main(argv=None) -> int:
         bits[name] = M.bits(built[name], H, d)
         if art is not None:
             ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
-    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new)
+    dtype = str(model.dtype).replace("torch.", "")
+    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new, dtype)
     try:
         check_artifacts(run_dir, ids)
     except ValueError as e:
@@ -248,7 +254,7 @@ def main(argv=None) -> int:
         return 2
     write_json(run_dir / "config.json", {"model": a.model, "preset": a.preset, "samples": a.samples,
                                          "tasks": a.tasks, "max_new": a.max_new,
-                                         "torch_threads": torch.get_num_threads()})
+                                         "torch_threads": torch.get_num_threads(), "model_dtype": dtype})
     items = {}
     for length in a.lengths:
         for p in points:

@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(p.method for p in points):
         spec = M.parse(name)
         built[name] = M.build(spec, M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides), fp)
-    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, None)
+    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, None,
+                                            str(model.dtype).replace("torch.", ""))
     for length in a.lengths:
         for p in points:
             path = run_dir / "recall" / f"{p.slug}__{length}.json"

@@ -101,7 +101,7 @@ def summary_lines(manifest: dict) -> list[str]:
         f"{32 / (manifest['bits_k'] + manifest['bits_v']):.1f}x smaller before windows)",
         f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision",
         f"calibration  {cal['corpus']}: {cal['tokens']:,} tokens ({cal.get('fisher_tokens', 0):,} with Fisher), "
-        f"seed {cal['seed']}, {cal['wall_time_s']:.0f} s",
+        f"seed {cal['seed']}, {cal.get('model_dtype', 'bfloat16')} model, {cal['wall_time_s']:.0f} s",
     ]
     if held:
         lines.append(f"held-out     key MSE {held.get('key_mse', float('nan')):.4f}  logit NMSE "

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from sglang_tasq import codec
 from sglang_tasq.artifact import ModelFingerprint, save_artifact
 from sglang_tasq.config import ConfigError, TaSQConfig
-from sglang_tasq.models import fingerprint, load_config, resolve_model, rope_inv_freq
+from sglang_tasq.models import compute_dtype, fingerprint, load_config, resolve_model, rope_inv_freq
 from sglang_tasq.rope import apply_rope
 
 from . import corpora, evaluate, fold, grouping, kmeans, weights
@@ -74,6 +74,7 @@ class Prepared:
     heldout: object  # Captured with queries (evaluation windows)
     window_len: int
     times: dict
+    model_dtype: str = "bfloat16"  # what the model computed in during capture (models.compute_dtype)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -104,7 +105,8 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
         cfg.check_head_dim(fp.head_dim)
         tok = AutoTokenizer.from_pretrained(path)
         dev = resolve_device(device)
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to(dev)
+        dtype = compute_dtype(dev)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(dev)
         inv_freq, att_scale = rope_inv_freq(lm)
         inv_freq = inv_freq.cpu()
         W = cfg.window_len
@@ -117,7 +119,7 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
                       dense_pairs=DENSE_PAIRS_PER_WINDOW if dense else 0, seed=cfg.seed, progress=progress,
                       post_rope_queries=cfg.key_rope == "post")
         ev = capture(lm, held, inv_freq, store_queries=True, progress=progress)
-    return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times)
+    return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times, str(dtype).replace("torch.", ""))
 
 
 def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print,
@@ -215,7 +217,7 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
              "heldout": {"corpus": f"{prep.corpus}/heldout", "tokens": ev.tokens,
                          **{k: v for k, v in errors.items() if k != "per_layer"}},
              "host": f"{platform.machine()} {torch.get_num_threads()} threads",
-             "torch": torch.__version__, "model_path": str(prep.model_path)}
+             "torch": torch.__version__, "model_dtype": prep.model_dtype, "model_path": str(prep.model_path)}
     return Result(cb, fp, calib, times, errors)
 
 

@@ -16,6 +16,11 @@ Serving (:class:`ServeOptions`, parsed once per process by :meth:`ServeOptions.f
   (its time and the backend's encode / codes / attention parts: :mod:`sglang_tasq.srt.profile`;
   unset by default: nothing timed). ``bench.prefill`` sets it.
 
+Models outside the server (calibration, the quality benches): ``SGLANG_TASQ_DTYPE``, the
+dtype the model computes in: ``auto`` (default: bfloat16, except on a CPU where torch has no
+oneDNN bf16 matmul, e.g. AVX2-only x86, whose bf16 GEMMs run 7-11x slower than float32 there:
+then float32; :func:`sglang_tasq.models.compute_dtype`), ``bfloat16`` or ``float32``.
+
 Elsewhere: ``TASQ_CACHE`` (where models, corpora and artifacts are built once; default
 ``~/.cache/sglang-tasq``), and :func:`child_env` / :func:`passive_omp` for the processes the
 benches and the demo start.
@@ -32,6 +37,8 @@ ENV_WINDOW_ROWS = "SGLANG_TASQ_WINDOW_ROWS"
 ENV_CPU_KERNELS = "SGLANG_TASQ_CPU_KERNELS"
 ENV_CUDA_VIEW_TOKENS = "SGLANG_TASQ_CUDA_VIEW_TOKENS"
 ENV_PROFILE = "SGLANG_TASQ_PROFILE"
+ENV_DTYPE = "SGLANG_TASQ_DTYPE"
+DTYPES = ("auto", "bfloat16", "float32")
 DEFAULT_WINDOW_ROWS = 128
 DEFAULT_CUDA_VIEW_TOKENS = 32768
 
@@ -83,6 +90,15 @@ def config_path(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     plugin's per-call "is TaSQ on" check neither parses nor validates the other variables."""
     env = os.environ if env is None else env
     return env.get(ENV_CONFIG, "").strip() or None
+
+
+def dtype_choice(env: Optional[Mapping[str, str]] = None) -> str:
+    """``SGLANG_TASQ_DTYPE``: one of :data:`DTYPES` (default ``auto``)."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_DTYPE, "").strip() or "auto"
+    if raw not in DTYPES:
+        raise OptionError(f"tasq: {ENV_DTYPE}={raw!r}: allowed {', '.join(DTYPES)}")
+    return raw
 
 
 def export_config_path(path) -> str:

@@ -248,3 +248,6 @@ def test_run_folder_refuses_a_recalibrated_artifact(tmp_path):
     with pytest.raises(ValueError, match="other artifacts"):
         R.check_artifacts(tmp_path, {"tasq": "c" * 64})
     assert R.run_name("m", "default", 8, ["t"], None) != R.run_name("m", "default", 8, ["t"], 64)
+    # a float32-model run gets its own folder; bf16 keeps the folder names it had
+    assert R.run_name("m", "default", 8, ["t"], None, "float32") != R.run_name("m", "default", 8, ["t"], None)
+    assert R.run_name("m", "default", 8, ["t"], None, "bfloat16") == R.run_name("m", "default", 8, ["t"], None)

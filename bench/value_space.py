@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     (a.out / "metrics.json").write_text(json.dumps(summary, indent=1))
     m = summary["mean"]
     lines = [f"# Output-side value space (issue 14, item 3): {a.model}, {a.group_size} x {a.codebook_size}",
-             "", f"`python -m bench.value_space --layers {' '.join(map(str, layers))}`; {prep.train.tokens:,} calibration "
+             "", f"`python -m bench.value_space --layers {' '.join(map(str, layers))} --tokens {a.tokens} --kmeans-samples "
+             f"{a.kmeans_samples}`; {prep.train.tokens:,} calibration "
              f"tokens ({a.kmeans_samples:,} points per codebook, no Fisher), {prep.heldout.tokens:,} held-out; "
              f"{prep.model_dtype} model; {summary['seconds']:.0f} s.", "",
              "| layer | output NMSE, plain | output NMSE, W_o space | gain | high-rate bound | value MSE plain / W_o space |",

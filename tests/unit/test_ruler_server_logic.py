@@ -38,7 +38,9 @@ def test_config_refuses_unservable_methods_one_line(capsys):
         Q.parse_args(["--niah-view", "serving"])
 
 
-def test_run_name_changes_with_the_view_only():
+def test_run_name_changes_with_the_view_only(monkeypatch):
+    # the names of bf16-model runs (a float32 model, on a CPU without bf16 matmuls, names its own)
+    monkeypatch.setenv("SGLANG_TASQ_DTYPE", "bfloat16")
     argv = ["--benches", "ruler", "--methods", "bf16,tasq", "--niah-methods", "bf16,tasq", "--niah-lengths", "1024"]
     dec, _ = Q.parse_args(argv)
     srv, _ = Q.parse_args(argv + ["--niah-view", "server"])

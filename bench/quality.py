@@ -88,9 +88,9 @@ class QualityConfig:
         d.pop("artifacts"), d.pop("artifact_root")  # where artifacts live does not change results
         if self.niah_view == "server":  # the servers' settings (absent otherwise: earlier names stay valid)
             d["niah_server"] = ruler_server.SERVER_KEY
-        from sglang_tasq.models import compute_dtype
+        from sglang_tasq.models import compute_dtype, dtype_name
 
-        dtype = str(compute_dtype()).replace("torch.", "")
+        dtype = dtype_name(compute_dtype())
         if dtype != "bfloat16":  # a float32-model run (a CPU without bf16 matmuls) is its own run
             d["model_dtype"] = dtype
         h = hashlib.sha1(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:8]
@@ -177,10 +177,10 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
 
     import torch
 
-    from sglang_tasq.models import compute_dtype
+    from sglang_tasq.models import compute_dtype, dtype_name
 
     env = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "device": "cpu", "dtype": f"{str(compute_dtype()).replace('torch.', '')} model, fp32 attention"}
+           "torch": torch.__version__, "device": "cpu", "dtype": f"{dtype_name(compute_dtype())} model, fp32 attention"}
     header = (f"# KV quality: {cfg.model}, run {cfg.name()}\n\nWindows 'none' read every token from codes; '64+256' keeps "
               f"64 sink + 256 recent tokens exact per query (decode view). PPL on {cfg.ppl_windows} x {cfg.ppl_len} "
               f"held-out wiki tokens and {cfg.ood_windows} x {cfg.ppl_len} held-out stdlib code; NIAH: "

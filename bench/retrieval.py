@@ -229,7 +229,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from sglang_tasq.models import fingerprint, load_config, resolve_model
+    from sglang_tasq.models import dtype_name, fingerprint, load_config, resolve_model
 
     from .perplexity import load_model
 
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         bits[name] = M.bits(built[name], H, d)
         if art is not None:
             ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
-    dtype = str(model.dtype).replace("torch.", "")
+    dtype = dtype_name(model.dtype)
     run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new, dtype)
     try:
         check_artifacts(run_dir, ids)

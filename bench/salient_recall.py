@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         print(f"bench.salient_recall: {e}", file=sys.stderr)
         return 2
 
-    from sglang_tasq.models import fingerprint, load_config, resolve_model
+    from sglang_tasq.models import dtype_name, fingerprint, load_config, resolve_model
 
     from .perplexity import load_model
     from .ruler import _samples
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         spec = M.parse(name)
         built[name] = M.build(spec, M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides), fp)
     run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, None,
-                                            str(model.dtype).replace("torch.", ""))
+                                            dtype_name(model.dtype))
     for length in a.lengths:
         for p in points:
             path = run_dir / "recall" / f"{p.slug}__{length}.json"

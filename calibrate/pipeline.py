@@ -19,7 +19,7 @@ from tqdm import tqdm
 from sglang_tasq import codec
 from sglang_tasq.artifact import ModelFingerprint, save_artifact
 from sglang_tasq.config import ConfigError, TaSQConfig
-from sglang_tasq.models import compute_dtype, fingerprint, load_config, resolve_model, rope_inv_freq
+from sglang_tasq.models import compute_dtype, dtype_name, fingerprint, load_config, resolve_model, rope_inv_freq
 from sglang_tasq.rope import apply_rope
 
 from . import corpora, evaluate, fold, grouping, kmeans, weights
@@ -119,7 +119,7 @@ def prepare(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = 
                       dense_pairs=DENSE_PAIRS_PER_WINDOW if dense else 0, seed=cfg.seed, progress=progress,
                       post_rope_queries=cfg.key_rope == "post")
         ev = capture(lm, held, inv_freq, store_queries=True, progress=progress)
-    return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times, str(dtype).replace("torch.", ""))
+    return Prepared(fp, path, corpus, inv_freq, att_scale, cap, ev, W, times, dtype_name(dtype))
 
 
 def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True, log=print,

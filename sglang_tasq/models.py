@@ -157,6 +157,11 @@ def compute_dtype(device="cpu"):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[choice]
 
 
+def dtype_name(dtype) -> str:
+    """torch.float32 -> 'float32' (how run configs and artifacts record a compute dtype)."""
+    return str(dtype).replace("torch.", "")
+
+
 def rope_inv_freq(model):
     """(inv_freq [d/2] float32, attention_scaling) from a loaded HF model's rotary module."""
     rot = model.model.rotary_emb

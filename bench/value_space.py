@@ -138,17 +138,16 @@ def main(argv=None) -> int:
     layers = a.layers if a.layers is not None else list(range(fp.num_layers))
     rows = {}
     gen = torch.Generator().manual_seed(cfg.seed)
-    files = sorted(path.glob("*.safetensors"))
+    wanted = {f"model.layers.{l}.self_attn.o_proj.weight": l for l in layers}
+    o_proj = {}
+    for f in sorted(path.glob("*.safetensors")):  # one pass over the checkpoint's files
+        with safe_open(str(f), "pt") as st:
+            o_proj.update({wanted[k]: st.get_tensor(k) for k in st.keys() if k in wanted})
+    missing = [l for l in layers if l not in o_proj]
+    if missing:
+        raise SystemExit(f"bench.value_space: no o_proj weight for layers {missing} in {path}")
     for l in layers:
-        name = f"model.layers.{l}.self_attn.o_proj.weight"
-        W = None
-        for f in files:
-            with safe_open(str(f), "pt") as st:
-                if name in st.keys():
-                    W = st.get_tensor(name)
-        if W is None:
-            raise SystemExit(f"bench.value_space: {name} not in {path}")
-        M = output_metric(W, fp.num_q_heads, fp.num_kv_heads)
+        M = output_metric(o_proj[l], fp.num_q_heads, fp.num_kv_heads)
         v = prep.train.values[l].float()
         idx = torch.randperm(v.shape[0], generator=gen)[: a.kmeans_samples].sort().values
         rows[l] = layer_errors(v[idx], prep.heldout.values[l], M, a.group_size, a.codebook_size, a.iters,

@@ -18,7 +18,10 @@ Names (``parse``):
   from its own ``--method novakv`` artifact (``novakv_g4k256``, ``novakv_g8k1024``);
 * rate points: ``cq@g4k256``, ``tasq@g8k16``, ... (group size g, codebook size K, both
   sides), or keys and values apart, ``tasq@g4k256/g8k512`` (keys / values); ``@g8k1024`` is
-  the reference rate and reuses the plain ``cq``/``tasq`` artifact.
+  the reference rate and reuses the plain ``cq``/``tasq`` artifact;
+* layer mixes (issue 14 item 2, :mod:`bench.retrieval` only): ``BASE+HI@L3,7,12`` codes layers 3, 7
+  and 12 with method HI's artifact and every other layer with BASE's, e.g.
+  ``tasq+tasq@g4k256/g8k1024@L3,7,12`` (both calibrated TaSQ methods of one model).
 
 Artifacts live in ``<root>/<preset>/<artifact_name>/tasq.json`` unless a path is given for
 that artifact name (``overrides``). Window settings are ``"none"`` or ``"SINK+RECENT"``.
@@ -44,6 +47,7 @@ NOVA_METHODS = {"novakv": (4, 256, 2), "novakv1": (8, 1024, None)}
 METHODS = (*BASELINES, "cq", "cq_pairs", "tasq", *ABLATION_METHODS, "tasq_keys_only", "tasq_values_only",
            *NSN_METHODS, *NOVA_METHODS)
 _RATE = re.compile(r"^(cq|tasq)@g(\d+)k(\d+)(?:/g(\d+)k(\d+))?$")
+_MIX = re.compile(r"^(?P<base>[^+]+)\+(?P<hi>[^+]+)@L(?P<layers>\d+(?:,\d+)*)$")
 _TP = re.compile(r"^tasq_tp(\d+)$")  # TaSQ calibrated to serve at TP N (key scale per rank's heads)
 
 
@@ -119,8 +123,31 @@ class MethodSpec:
                 "group_size_v": gv, "codebook_size_v": kv}
 
 
-def parse(name: str) -> MethodSpec:
+@dataclass(frozen=True)
+class MixSpec:
+    """A layer mix: ``hi``'s artifact codes ``layers``, ``base``'s every other layer."""
+
+    name: str
+    base: MethodSpec
+    hi: MethodSpec
+    layers: tuple
+
+    closed_form = None
+    artifact_name = None
+
+
+def parse(name: str):
     """A method name -> its spec; unknown names raise ValueError listing the allowed ones."""
+    m = _MIX.match(name)
+    if m:
+        base, hi = parse(m["base"]), parse(m["hi"])
+        for part in (base, hi):
+            if not isinstance(part, MethodSpec) or part.calib != "tasq" or part.ablation or not (part.keys and part.values):
+                raise ValueError(f"layer mix {name!r}: {part.name!r} is not a calibrated TaSQ method (tasq or tasq@gGkK...)")
+        layers = tuple(int(i) for i in m["layers"].split(","))
+        if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+            raise ValueError(f"layer mix {name!r}: list each layer once, in increasing order")
+        return MixSpec(name, base, hi, layers)
     if name in BASELINES or name in NSN_METHODS:
         return MethodSpec(name, closed_form=name)
     if name in NOVA_METHODS:
@@ -191,6 +218,8 @@ def ensure_artifact(spec: MethodSpec, model: str, preset: str, root: Path, overr
 def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None, rope=None) -> KVMethod:
     """The KVMethod the caches run for this spec (``artifact`` required for calibrated ones;
     ``rope`` = (inv_freq, attention_scaling) of the model for NSNQuant's keys)."""
+    if isinstance(spec, MixSpec):
+        raise ValueError(f"method {spec.name}: a layer mix is built with prepare(), from its two artifacts")
     if spec.closed_form in NSN_METHODS:
         if rope is None:
             raise ValueError(f"method {spec.name} needs the model's RoPE frequencies (rope=)")
@@ -212,6 +241,24 @@ def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None, r
 
         return novakv(cb, NOVA_METHODS[spec.name][2], spec.name)
     return KVMethod(TaSQKeys(cb) if spec.keys else Identity(), TaSQValues(cb) if spec.values else Identity(), spec.name)
+
+
+def prepare(spec, model: str, preset: str, root: Path, overrides: Optional[dict] = None, fingerprint=None,
+            log=print) -> tuple:
+    """(the KVMethod of ``spec``, {artifact name: artifact dir} it reads), calibrating what is missing.
+    A layer mix reads two artifacts, which must hold the same number of layers."""
+    if not isinstance(spec, MixSpec):
+        art = ensure_artifact(spec, model, preset, root, overrides, log)
+        return build(spec, art, fingerprint), ({} if art is None else {spec.artifact_name: art})
+    from sglang_tasq.hf.cache import PerLayer
+
+    (base, a), (hi, b) = (prepare(s, model, preset, root, overrides, fingerprint, log) for s in (spec.base, spec.hi))
+    L = base.keys.cb.num_layers
+    if hi.keys.cb.num_layers != L:
+        raise ValueError(f"layer mix {spec.name}: the artifacts hold {L} and {hi.keys.cb.num_layers} layers")
+    mix = KVMethod(PerLayer(base.keys, hi.keys, spec.layers, L), PerLayer(base.values, hi.values, spec.layers, L),
+                   spec.name)
+    return mix, {**a, **b}
 
 
 def bits(method: KVMethod, num_kv_heads: int, head_dim: int) -> tuple[float, float]:

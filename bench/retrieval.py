@@ -4,7 +4,8 @@ element all-in at the prompt length measured.
 
 A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later]``:
 
-* ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...);
+* ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...), layer
+  mixes included (``tasq+tasq@g4k256/g8k1024@L3,7,12``: layers 3, 7, 12 at the 1.7 rate);
 * ``WINDOWS``: ``none`` or ``SINK+RECENT`` (default ``64+256``; bf16 ignores it);
 * ``sB``: keep ``B`` salient positions exact per (layer, KV head) (:mod:`sglang_tasq.salient`);
   ``SB``: one set of ``B`` positions per request, kept in every layer and head (the serving
@@ -239,12 +240,10 @@ def main(argv=None) -> int:
     fp = fingerprint(load_config(resolve_model(a.model)))
     built, bits, ids = {}, {}, {}
     for name in dict.fromkeys(p.method for p in [*points, Point.parse(a.ref), Point.parse("bf16")]):
-        spec = M.parse(name)
-        art = M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides)
-        built[name] = M.build(spec, art, fp)
+        built[name], arts = M.prepare(M.parse(name), a.model, a.preset, Path(a.artifact_root), overrides, fp)
         bits[name] = M.bits(built[name], H, d)
-        if art is not None:
-            ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
+        for art_name, art in arts.items():
+            ids[art_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
     dtype = dtype_name(model.dtype)
     run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new, dtype)
     try:
@@ -269,8 +268,7 @@ def main(argv=None) -> int:
         items[(item["point"], item["length"])] = item
         if Point.parse(item["point"]).method not in bits:
             spec = M.parse(Point.parse(item["point"]).method)
-            art = M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides)
-            bits[spec.name] = M.bits(M.build(spec, art, fp), H, d)
+            bits[spec.name] = M.bits(M.prepare(spec, a.model, a.preset, Path(a.artifact_root), overrides, fp)[0], H, d)
     rows, md = summarize(items, bits, d, Point.parse(a.ref).name)
     write_json(run_dir / "summary.json", rows)
     (run_dir / "summary.md").write_text(

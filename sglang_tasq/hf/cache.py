@@ -98,6 +98,41 @@ class TaSQValues(_TaSQSide):
         return self.cb.config.bits_v(num_kv_heads, head_dim)
 
 
+class PerLayer:
+    """One side quantizer in some layers and another in the rest (a layer-adaptive rate, issue 14
+    item 2): ``hi`` codes the layers in ``layers``, ``base`` every other one. Both must read
+    keys the same way (pre- or post-RoPE, block, exactness); bits are the mean over layers."""
+
+    _SAME = ("pre_rope", "block", "exact", "positional")
+
+    def __init__(self, base, hi, layers, num_layers: int, name: str = ""):
+        layers = frozenset(int(i) for i in layers)
+        if not layers or min(layers) < 0 or max(layers) >= num_layers:
+            raise ValueError(f"layers {sorted(layers)}: each must be in [0, {num_layers})")
+        bad = [a for a in self._SAME if getattr(base, a, False) != getattr(hi, a, False)]
+        if bad:
+            raise ValueError(f"the two quantizers of a layer mix differ in {bad}")
+        self.base, self.hi, self.layers, self.num_layers = base, hi, layers, num_layers
+        self.name = name or f"{base.name}+{hi.name}"
+        for a in self._SAME + ("inv_freq", "attention_scaling"):
+            if hasattr(base, a):
+                setattr(self, a, getattr(base, a))
+
+    def _of(self, layer):
+        return self.hi if layer in self.layers else self.base
+
+    def encode(self, x, layer, state, **kw):
+        return self._of(layer).encode(x, layer, state, **kw)
+
+    def decode(self, payload, layer, state):
+        return self._of(layer).decode(payload, layer, state)
+
+    def bits_per_element(self, num_kv_heads, head_dim):
+        n = len(self.layers)
+        return (n * self.hi.bits_per_element(num_kv_heads, head_dim)
+                + (self.num_layers - n) * self.base.bits_per_element(num_kv_heads, head_dim)) / self.num_layers
+
+
 def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq, scaling: float = 1.0) -> torch.Tensor:
     """Post-RoPE keys [T, H, d] (HF, dtype of k) -> pre-RoPE keys [T, H, d] float32, using
     cos/sin exactly as HF's rotary module makes them (float32 angles cast to k's dtype)."""

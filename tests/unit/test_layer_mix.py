@@ -82,3 +82,27 @@ def test_layer_ranking_sums_heads_and_breaks_ties_low():
     scores = [[0.1, 0.1], [0.5, 0.0], [0.0, 0.2], [0.3, 0.2]]
     assert layer_ranking(scores, 2) == [1, 3]
     assert layer_ranking(scores, 4) == [1, 3, 0, 2]
+
+
+def test_prepare_reads_both_artifacts_and_refuses_unlike_depths(tmp_path):
+    from sglang_tasq.artifact import ModelFingerprint, save_artifact
+
+    def fp(layers):
+        return ModelFingerprint("LlamaForCausalLM", num_layers=layers, num_q_heads=4, num_kv_heads=H, head_dim=D,
+                                rope_theta=10000.0, rope_scaling=None)
+
+    calib = {"corpus": "test", "tokens": 0, "seed": 0, "wall_time_s": 0.0}
+    lo = save_artifact(tmp_path / "lo", random_codebooks(L, H, D, TaSQConfig(codebook_size_k=64, codebook_size_v=64)),
+                       fp(L), calib).parent
+    hi_cfg = TaSQConfig(group_size_k=4, codebook_size_k=16, codebook_size_v=64)
+    hi = save_artifact(tmp_path / "hi", random_codebooks(L, H, D, hi_cfg, seed=1), fp(L), calib).parent
+    spec = M.parse("tasq@g8k64+tasq@g4k16/g8k64@L1,3")
+    over = {"tasq_g8k64": str(lo), "tasq_g4k16_g8k64": str(hi)}
+    method, arts = M.prepare(spec, "unused", "default", tmp_path, over, fp(L))
+    assert {k: str(v) for k, v in arts.items()} == over
+    kb = [M.bits(M.prepare(M.parse(n), "unused", "default", tmp_path, over, fp(L))[0], H, D)[0]
+          for n in ("tasq@g8k64", "tasq@g4k16/g8k64")]
+    assert M.bits(method, H, D)[0] == pytest.approx((kb[0] + kb[1]) / 2, abs=1e-4)
+    deep = save_artifact(tmp_path / "deep", random_codebooks(L + 1, H, D, hi_cfg, seed=1), fp(L + 1), calib).parent
+    with pytest.raises(ValueError, match="4 and 5 layers"):
+        M.prepare(spec, "unused", "default", tmp_path, {**over, "tasq_g4k16_g8k64": str(deep)}, None)

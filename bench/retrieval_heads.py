@@ -118,7 +118,8 @@ def main(argv=None) -> int:
                 steps += n
                 per_task[task] = per_task.get(task, 0) + n
     scores = (total / max(steps, 1)).tolist()
-    top = layer_ranking(scores, a.top)
+    order = layer_ranking(scores, len(scores))
+    top = order[: a.top]
     dtype = dtype_name(model.dtype)
     run_dir = Path(a.results) / f"{a.model}_{dtype}_n{a.samples}_{'-'.join(map(str, a.lengths))}_s{a.seed}"
     write_json(run_dir / "scores.json", {"model": a.model, "model_dtype": dtype, "lengths": a.lengths,
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
                                          "scores": scores, "top": top, "seconds": round(time.time() - t0, 1)})
     per_layer = [sum(r) for r in scores]
     lines = ["| layer | copy score, sum over heads | best head (score) |", "|---|---|---|"]
-    for i in sorted(range(len(scores)), key=lambda i: (-per_layer[i], i)):
+    for i in order:
         h = max(range(len(scores[i])), key=lambda j: scores[i][j])
         lines.append(f"| {i} | {per_layer[i]:.3f} | {h} ({scores[i][h]:.3f}) |")
     md = (f"# Retrieval heads, {a.model} ({dtype}), {a.samples} samples per task at {a.lengths}, seeds from {a.seed}\n\n"

@@ -181,8 +181,8 @@ def main(argv=None) -> int:
     from .serving import hardware
 
     art = load_artifact(str(path))
-    if art.codebooks.k_codebook.shape[:2] != (L, H):
-        ap.error(f"{path}: not a SmolLM2-135M artifact (layers/KV heads {tuple(art.codebooks.k_codebook.shape[:2])})")
+    if (art.codebooks.num_layers, art.codebooks.num_kv_heads) != (L, H):
+        ap.error(f"{path}: not a SmolLM2-135M artifact (layers/KV heads {(art.codebooks.num_layers, art.codebooks.num_kv_heads)})")
     cpu.set_threads()
     bw = read_bandwidth()
     print(f"[cpu_step] memory read bandwidth {bw:.1f} GB/s", flush=True)

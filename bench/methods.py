@@ -120,7 +120,7 @@ class MethodSpec:
             want["scale_groups"] = self.tp
         gv, kv = self.value_rate
         return {**want, "group_size_k": self.group_size, "codebook_size_k": self.codebook_size,
-                "group_size_v": gv, "codebook_size_v": kv}
+                "group_size_v": gv, "codebook_size_v": kv, "mix_layers": ()}
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,21 @@ class MixSpec:
 
     closed_form = None
     artifact_name = None
+
+    @property
+    def mixed_artifact_name(self) -> str:
+        """The name under which one ``calibrate --mix-layers`` artifact may stand for the two
+        (``--artifact NAME=DIR``): ``tasq+tasq_g4k256_g8k1024@L17,18``."""
+        return f"{self.base.artifact_name}+{self.hi.artifact_name}@L{','.join(map(str, self.layers))}"
+
+    def expected_config(self) -> dict:
+        """Manifest config fields of a mixed artifact that stands for this mix: the base method's,
+        with HI's key rate in the listed layers (one value rate: both methods' must agree)."""
+        base, hi = self.base.expected_config(), self.hi.expected_config()
+        if (base["group_size_v"], base["codebook_size_v"]) != (hi["group_size_v"], hi["codebook_size_v"]):
+            raise ValueError(f"layer mix {self.name}: one artifact holds one value rate, and the two methods' differ")
+        return {**base, "mix_layers": self.layers, "mix_group_size_k": hi["group_size_k"],
+                "mix_codebook_size_k": hi["codebook_size_k"]}
 
 
 def parse(name: str):
@@ -209,6 +224,7 @@ def ensure_artifact(spec: MethodSpec, model: str, preset: str, root: Path, overr
     from sglang_tasq.config import TaSQConfig
 
     got = {**TaSQConfig().to_dict(), **json.loads(manifest.read_text())["config"]}  # fields older artifacts lack
+    got = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items()}  # JSON lists: mix_layers
     bad = {k: (v, got.get(k)) for k, v in spec.expected_config().items() if got.get(k) != v}
     if bad:
         raise ValueError(f"artifact {manifest} does not fit method {spec.name}: (want, has) {bad}")
@@ -252,6 +268,9 @@ def prepare(spec, model: str, preset: str, root: Path, overrides: Optional[dict]
         return build(spec, art, fingerprint), ({} if art is None else {spec.artifact_name: art})
     from sglang_tasq.hf.cache import PerLayer
 
+    if overrides and spec.mixed_artifact_name in overrides:  # one artifact with a per-layer key rate
+        return _mixed_artifact(spec, Path(overrides[spec.mixed_artifact_name]), fingerprint)
+
     (base, a), (hi, b) = (prepare(s, model, preset, root, overrides, fingerprint, log) for s in (spec.base, spec.hi))
     L = base.keys.cb.num_layers
     if hi.keys.cb.num_layers != L:
@@ -259,6 +278,26 @@ def prepare(spec, model: str, preset: str, root: Path, overrides: Optional[dict]
     mix = KVMethod(PerLayer(base.keys, hi.keys, spec.layers, L), PerLayer(base.values, hi.values, spec.layers, L),
                    spec.name)
     return mix, {**a, **b}
+
+
+def _mixed_artifact(spec: MixSpec, out: Path, fingerprint=None) -> tuple:
+    """A layer mix from one ``calibrate --mix-layers`` artifact (checked against the mix's
+    config), under the mix's name: the codes of the two-artifact mix when both come from one
+    capture and seed."""
+    from sglang_tasq.artifact import load_artifact
+    from sglang_tasq.config import TaSQConfig
+    from sglang_tasq.hf.cache import TaSQKeys, TaSQValues
+
+    manifest = out / "tasq.json"
+    if not manifest.is_file():
+        raise ValueError(f"layer mix {spec.name}: no artifact at {manifest} (--artifact {spec.mixed_artifact_name}=DIR)")
+    got = {**TaSQConfig().to_dict(), **json.loads(manifest.read_text())["config"]}
+    got = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items()}
+    bad = {k: (v, got.get(k)) for k, v in spec.expected_config().items() if got.get(k) != v}
+    if bad:
+        raise ValueError(f"artifact {manifest} does not fit layer mix {spec.name}: (want, has) {bad}")
+    cb = load_artifact(out, model=fingerprint).codebooks
+    return KVMethod(TaSQKeys(cb), TaSQValues(cb), spec.name), {spec.mixed_artifact_name: out}
 
 
 def bits(method: KVMethod, num_kv_heads: int, head_dim: int) -> tuple[float, float]:

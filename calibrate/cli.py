@@ -40,8 +40,23 @@ def build_config(a: argparse.Namespace) -> TaSQConfig:
                  "codebook_size_k": side(a.codebook_size_k, a.codebook_size),
                  "codebook_size_v": side(a.codebook_size_v, a.codebook_size), "calib_tokens": a.tokens, "kmeans_iters": a.iters,
                  "max_kmeans_samples": a.kmeans_samples, "kmeans_tol": a.kmeans_tol, "fisher_tokens": a.fisher_tokens, "seed": a.seed,
-                 "sink_window": a.sink, "recent_window": a.recent}
+                 "sink_window": a.sink, "recent_window": a.recent, "mix_layers": a.mix_layers,
+                 "mix_group_size_k": a.mix_group_size_k, "mix_codebook_size_k": a.mix_codebook_size_k}
+    if a.mix_layers is None and (a.mix_group_size_k is not None or a.mix_codebook_size_k is not None):
+        raise ConfigError("--mix-group-size-k / --mix-codebook-size-k set the rate of the --mix-layers; "
+                          "name the layers with --mix-layers")
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _layer_list(text: str) -> tuple:
+    """'17,18,21' -> (17, 18, 21): each layer once, in increasing order."""
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of layer indices, e.g. 17,18,21") from None
+    if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError(f"{text!r}: list each layer once, in increasing order, from 0")
+    return layers
 
 
 def _calibrate_parser() -> argparse.ArgumentParser:
@@ -70,6 +85,13 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     for side, name in (("k", "keys"), ("v", "values")):
         ap.add_argument(f"--group-size-{side}", type=int, help=f"channels per group for the {name} only")
         ap.add_argument(f"--codebook-size-{side}", type=int, help=f"centroids per codebook for the {name} only")
+    ap.add_argument("--mix-layers", type=_layer_list, metavar="L,L,...",
+                    help="a per-layer key rate: code the keys of these layers with --mix-group-size-k channels "
+                         "per group and --mix-codebook-size-k codewords (default 4 x 256, the 1.7 rate's keys), "
+                         "every other layer's at the main rate; e.g. the retrieval-head layers "
+                         "(python -m bench.retrieval_heads). Not served by the SGLang plugin yet")
+    ap.add_argument("--mix-group-size-k", type=int, help="channels per key group in the --mix-layers (default 4)")
+    ap.add_argument("--mix-codebook-size-k", type=int, help="key codewords in the --mix-layers (default 256)")
     ap.add_argument("--tokens", type=int, help="calibration tokens")
     ap.add_argument("--fisher-tokens", type=int, help="tokens that get a backward pass for the Fisher")
     ap.add_argument("--iters", type=int, help="at most this many Lloyd iterations (default 25)")
@@ -92,7 +114,10 @@ def summary_lines(manifest: dict) -> list[str]:
     lines = [
         f"model        {m['architecture']}  layers={m['num_layers']} q_heads={m['num_q_heads']} "
         f"kv_heads={m['num_kv_heads']} head_dim={m['head_dim']} rope_theta={m['rope_theta']:g}",
-        f"quantizer    K: g={c['group_size_k']} K={c['codebook_size_k']}  V: g={c['group_size_v']} K={c['codebook_size_v']}  "
+        f"quantizer    K: g={c['group_size_k']} K={c['codebook_size_k']}"
+        + (f" (layers {','.join(map(str, c['mix_layers']))}: g={c['mix_group_size_k']} K={c['mix_codebook_size_k']})"
+           if c.get("mix_layers") else "")
+        + f"  V: g={c['group_size_v']} K={c['codebook_size_v']}  "
         f"weighting={c['weighting']} scale={c['scale']}"
         + (f" over {c['scale_groups']} head groups (TP {c['scale_groups']})" if c.get("scale_groups", 1) > 1 else "")
         + f" grouping={c['grouping']} fisher={c['fisher']}"
@@ -131,6 +156,16 @@ def cmd_calibrate(argv) -> int:
 
     from . import pipeline
 
+    if cfg.layer_mixed:  # refused before the capture, not after it
+        from sglang_tasq.models import fingerprint, load_config, resolve_model
+
+        try:
+            fp = fingerprint(load_config(resolve_model(a.model)))
+            cfg.check_layers(fp.num_layers)
+            cfg.check_head_dim(fp.head_dim)
+        except (UnsupportedModelError, FileNotFoundError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if a.tp != 1:
         from sglang_tasq import sharding
         from sglang_tasq.models import fingerprint, load_config, resolve_model

@@ -172,8 +172,13 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
             maps = [weights.qpca_map(layer_keys(l), cap.q_post_sums[l], cap.q_post_count, cfg.weight_floor)
                     for l in range(L)]
             k_mix, k_unmix, k_mean = (torch.stack(t) for t in zip(*maps))
+    cfg.check_layers(L)
     ident = torch.arange(d).expand(L, H, d).clone()
-    cb = codec.Codebooks(cfg, torch.zeros(L, H, Gk, cfg.codebook_size_k, gk), w, ident,
+    rates = [cfg.key_rate(l) for l in range(L)]  # (g, K) of each layer's keys
+    k_init = torch.zeros(L, H, Gk, cfg.codebook_size_k, gk)
+    if cfg.layer_mixed:  # one codebook tensor per layer, at its rate (Codebooks' per-layer form)
+        k_init = tuple(torch.zeros(H, d // g, K, g) for g, K in rates)
+    cb = codec.Codebooks(cfg, k_init, w, ident,
                          torch.zeros(L, H, Gv, cfg.codebook_size_v, gv), prep.inv_freq, prep.attention_scaling,
                          k_mix, k_unmix, k_mean)
     with _stage(times, "scale+covariance", log):
@@ -181,23 +186,35 @@ def fit(prep: Prepared, cfg: TaSQConfig, progress: bool = True, log=print,
         for l in range(L):
             sig[l] = grouping.covariance(_tailor_all(layer_keys(l), cb, l)[0])
     with _stage(times, "grouping", log):
-        cb.k_perm = grouping.grouping(sig, gk, cfg.grouping)
-        contiguous = grouping.grouping(sig[:1, :1], gk, "contiguous")[0, 0]
-        cost = {"chosen": sum(grouping.group_cost(sig[l, h], cb.k_perm[l, h], gk) for l in range(L) for h in range(H)),
-                "contiguous": sum(grouping.group_cost(sig[l, h], contiguous, gk) for l in range(L) for h in range(H))}
+        perm = torch.empty(L, H, d, dtype=torch.long)
+        contiguous = {}
+        for g in sorted({g for g, _ in rates}):
+            at = [l for l in range(L) if rates[l][0] == g]
+            perm[at] = grouping.grouping(sig[at], g, cfg.grouping).long()
+            contiguous[g] = grouping.grouping(sig[:1, :1], g, "contiguous")[0, 0]
+        cb.k_perm = perm
+        cost = {"chosen": sum(grouping.group_cost(sig[l, h], cb.k_perm[l, h], rates[l][0]) for l in range(L) for h in range(H)),
+                "contiguous": sum(grouping.group_cost(sig[l, h], contiguous[rates[l][0]], rates[l][0])
+                                  for l in range(L) for h in range(H))}
     with _stage(times, "kmeans", log):
-        k_tail = torch.empty(L, H, Gk, cfg.codebook_size_k, gk)
+        k_tail = [None] * L
         v_cb = torch.empty(L, H, Gv, cfg.codebook_size_v, gv)
         km_stats = []
         for l in tqdm(range(L), desc="k-means", unit="layer", disable=not progress):
-            rk = _fit(*_key_points(cap, cb, l, gen, layer_keys(l, _pool_size(cap, cfg))), cfg,
-                      cfg.codebook_size_k, cfg.seed + l, dev)
+            g, K = rates[l]
+            rk = _fit(*_key_points(cap, cb, l, gen, layer_keys(l, _pool_size(cap, cfg))), cfg, K, cfg.seed + l, dev)
             rv = _fit(*_value_points(cap, cfg, l, gen), cfg, cfg.codebook_size_v, cfg.seed + 1000 + l, dev)
-            k_tail[l] = rk.centroids.cpu().view(H, Gk, cfg.codebook_size_k, gk)
+            k_tail[l] = rk.centroids.cpu().view(H, d // g, K, g)
             v_cb[l] = rv.centroids.cpu().view(H, Gv, cfg.codebook_size_v, gv)
             km_stats += [rk, rv]
     with _stage(times, "fold", log):
-        cb.k_codebook = k_tail if cfg.mixes_keys else fold.fold_key_codebooks(k_tail, w, cb.k_perm)
+        if cfg.mixes_keys:
+            cb.k_codebook = torch.stack(k_tail)
+        elif cfg.layer_mixed:  # each layer folded alone: the fold is per layer and head
+            cb.k_codebook = tuple(fold.fold_key_codebooks(k_tail[l][None], w[l:l + 1], cb.k_perm[l:l + 1])[0]
+                                  for l in range(L))
+        else:
+            cb.k_codebook = fold.fold_key_codebooks(torch.stack(k_tail), w, cb.k_perm)
         cb.v_codebook = v_cb
     with _stage(times, "evaluate", log):
         errs = [evaluate.layer_errors(cb, l, ev.keys[l], ev.values[l], ev.queries[l], W, seed=cfg.seed,
@@ -256,7 +273,7 @@ def _key_points(cap, cb: codec.Codebooks, l: int, gen, keys: torch.Tensor | None
     F~_i = (dL/dk_i)^2 * s_p^2 / w_i^2, summed over the group's channels."""
     cfg = cb.config
     H, d = cb.num_kv_heads, cb.head_dim
-    g = cfg.group_size_k
+    g = cb.key_group_size(l)
     n_pool = _pool_size(cap, cfg)
     keys = cap.keys[l, :n_pool] if keys is None else keys
     xt, scale = _tailor_all(keys, cb, l)  # native order, tailored [N, H, d]

@@ -93,7 +93,7 @@ def save_artifact(out_dir, cb: Codebooks, model: ModelFingerprint, calibration: 
     out.mkdir(parents=True, exist_ok=True)
     cfg = cb.config
     tensors = {
-        "k.codebook": cb.k_codebook.float().contiguous(),
+        **_key_codebook_tensors(cb),
         "k.weight": cb.k_weight.float().contiguous(),
         "k.perm": cb.k_perm.to(torch.int32).contiguous(),
         "v.codebook": cb.v_codebook.float().contiguous(),
@@ -121,7 +121,7 @@ def save_artifact(out_dir, cb: Codebooks, model: ModelFingerprint, calibration: 
         "code_bits_k": cfg.code_bits_k,
         "code_bits_v": cfg.code_bits_v,
         "windows": {"sink": cfg.sink_window, "recent": cfg.recent_window},
-        "bits_k": round(cfg.bits_k(H, d), 6),
+        "bits_k": round(cfg.bits_k_mean(H, d, model.num_layers), 6),
         "bits_v": round(cfg.bits_v(H, d), 6),
         "attention_scaling": cb.attention_scaling,
         "calibration": calibration,
@@ -132,6 +132,16 @@ def save_artifact(out_dir, cb: Codebooks, model: ModelFingerprint, calibration: 
     mpath = out / MANIFEST_NAME
     mpath.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     return mpath
+
+
+def _key_codebook_tensors(cb: Codebooks) -> dict:
+    """``k.codebook`` [L, ...]; with a per-layer key rate, ``k.codebook`` stacks the layers at the
+    config's rate and ``k.codebook.mix`` those in ``config.mix_layers`` (in that order)."""
+    if not cb.layer_mixed:
+        return {"k.codebook": cb.k_codebook.float().contiguous()}
+    mix = set(cb.config.mix_layers)
+    return {"k.codebook": torch.stack([cb.k_codebook[l] for l in range(cb.num_layers) if l not in mix]).float().contiguous(),
+            "k.codebook.mix": torch.stack([cb.k_codebook[l] for l in sorted(mix)]).float().contiguous()}
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -176,12 +186,13 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
     try:
         cfg.check_head_dim(d)
         cfg.check_kv_heads(H)
+        cfg.check_layers(L)
     except ConfigError as e:
         raise ArtifactError(f"config: {e}") from None
     for key in ("group_size_k", "group_size_v", "codebook_size_k", "codebook_size_v", "code_bits_k", "code_bits_v"):
         _require(manifest.get(key) == getattr(cfg, key),
                  f"{key}: manifest says {manifest.get(key)!r}, config implies {getattr(cfg, key)!r}")
-    for key, want in (("bits_k", cfg.bits_k(H, d)), ("bits_v", cfg.bits_v(H, d))):
+    for key, want in (("bits_k", cfg.bits_k_mean(H, d, L)), ("bits_v", cfg.bits_v(H, d))):
         _require(isinstance(manifest[key], (int, float)) and abs(manifest[key] - want) < 1e-4,
                  f"{key}: manifest says {manifest[key]!r}, the configuration gives {want:.6f}")
     if model is not None:
@@ -203,18 +214,24 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
         raise ArtifactError(f"tensors.file: cannot read {tpath.name} ({e})") from None
 
     Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
+    n_mix = len(cfg.mix_layers)
     expect = {
-        "k.codebook": (L, H, Gk, cfg.codebook_size_k, cfg.group_size_k),
+        "k.codebook": (L - n_mix, H, Gk, cfg.codebook_size_k, cfg.group_size_k),
         "k.weight": (L, H, d),
         "k.perm": (L, H, d),
         "v.codebook": (L, H, Gv, cfg.codebook_size_v, cfg.group_size_v),
         "rope.inv_freq": (d // 2,),
     }
+    if n_mix:
+        gm = cfg.mix_group_size_k
+        expect["k.codebook.mix"] = (n_mix, H, d // gm, cfg.mix_codebook_size_k, gm)
     if cfg.mixes_keys:
         expect["k.mix"] = (L, H, d, d)
         expect["k.unmix"] = (L, H, d, d)
     if cfg.weighting == "qpca":
         expect["k.mean"] = (L, H, d)
+    _require("k.codebook.mix" in expect or "k.codebook.mix" not in t,
+             "tensor k.codebook.mix: present, but config.mix_layers is empty (a per-layer key rate needs the layers)")
     for name, shape in expect.items():
         _require(name in t, f"tensor {name}: missing from {tpath.name}")
         _check_shape(name, t[name], shape)
@@ -226,11 +243,19 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
         msq = w.pow(2).mean(-1)
         _require(bool(((msq - 1).abs() < 1e-3).all()), f"tensor k.weight: mean(w^2) must be 1 per head, got {msq.min():.4f}..{msq.max():.4f}")
     perm = t["k.perm"].long()
-    check_permutation(perm, cfg.group_size_k, cfg.grouping)
+    mix = list(cfg.mix_layers)
+    base = [l for l in range(L) if l not in cfg.mix_layers]
+    check_permutation(perm[base], cfg.group_size_k, cfg.grouping, layers=base)
+    if mix:
+        check_permutation(perm[mix], cfg.mix_group_size_k, cfg.grouping, layers=mix)
+    k_codebook = t["k.codebook"]
+    if mix:  # one tensor per layer, each at its layer's rate
+        per = dict(zip(base, t["k.codebook"])) | dict(zip(mix, t["k.codebook.mix"]))
+        k_codebook = tuple(per[l] for l in range(L))
     inv_freq = t["rope.inv_freq"]
     _require(bool((inv_freq > 0).all()), "tensor rope.inv_freq: must be positive")
 
-    cb = Codebooks(config=cfg, k_codebook=t["k.codebook"], k_weight=w, k_perm=perm,
+    cb = Codebooks(config=cfg, k_codebook=k_codebook, k_weight=w, k_perm=perm,
                    v_codebook=t["v.codebook"], inv_freq=inv_freq,
                    attention_scaling=float(manifest.get("attention_scaling", 1.0)),
                    k_mix=t.get("k.mix"), k_unmix=t.get("k.unmix"),
@@ -238,7 +263,7 @@ def load_artifact(path, model: Optional[ModelFingerprint] = None) -> Artifact:
     return Artifact(manifest=manifest, codebooks=cb, path=p)
 
 
-def check_permutation(perm: torch.Tensor, g: int, grouping: str = "covariance") -> None:
+def check_permutation(perm: torch.Tensor, g: int, grouping: str = "covariance", layers=None) -> None:
     """perm [L, H, d]: a permutation per head whose groups hold whole RoPE pairs in the
     canonical in-group layout (channel l < g/2 pairs with l + g/2); for grouping 'channels'
     (CQ's native channel groups) the identity; for 'stratified' (NovaKV) the fixed map
@@ -261,5 +286,7 @@ def check_permutation(perm: torch.Tensor, g: int, grouping: str = "covariance") 
     ok = (first < half) & (second == first + half)
     if not bool(ok.all()):
         l, h, j, _ = [int(x) for x in torch.nonzero(~ok)[0]]
+        grp = grp[l]
+        l = layers[l] if layers is not None else l
         raise ArtifactError(f"tensor k.perm: layer {l} head {h} group {j} splits a RoPE pair "
-                            f"(channels {grp[l, h, j].tolist()})")
+                            f"(channels {grp[h, j].tolist()})")

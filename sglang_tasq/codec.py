@@ -41,6 +41,10 @@ class Codebooks:
     k_mix:      [L, H, d, d] f32 or None: dense weighting M (ablation); then k_codebook holds
                 tailored codewords and decode applies M^{-1} (k_unmix) after un-permuting.
     k_mean:     [L, H, d] f32 or None: subtracted before M (NovaKV's centring), added back at decode.
+
+    With a per-layer key rate (``config.mix_layers``) ``k_codebook`` is a tuple of L tensors
+    ``[H, Gk_l, Kk_l, gk_l]``, each at its layer's rate (:meth:`TaSQConfig.key_rate`); every
+    reader indexes it by layer, so both forms read alike.
     """
 
     config: TaSQConfig
@@ -56,11 +60,20 @@ class Codebooks:
 
     @property
     def num_layers(self) -> int:
-        return self.k_codebook.shape[0]
+        return self.k_weight.shape[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k_codebook.shape[1]
+        return self.k_weight.shape[1]
+
+    @property
+    def layer_mixed(self) -> bool:
+        """The keys' rate differs between layers (``k_codebook`` is a tuple per layer)."""
+        return not isinstance(self.k_codebook, torch.Tensor)
+
+    def key_group_size(self, layer: int) -> int:
+        """Channels per key group in ``layer`` (the config's, or the mix rate's)."""
+        return self.k_codebook[layer].shape[-1]
 
     @property
     def head_dim(self) -> int:
@@ -87,9 +100,13 @@ class Codebooks:
         if self.config.key_rope != "pre":
             return False
         L, H, d = self.k_perm.shape
-        g = self.config.group_size_k
-        p = self.k_perm.view(L, H, d // g, g)
-        return bool((p[..., g // 2:] == p[..., : g // 2] + d // 2).all())
+        sizes = {self.key_group_size(layer) for layer in range(L)} if self.layer_mixed else {self.config.group_size_k}
+        for g in sizes:
+            layers = [l for l in range(L) if self.key_group_size(l) == g] if self.layer_mixed else slice(None)
+            p = self.k_perm[layers].reshape(-1, d // g, g)
+            if not bool((p[..., g // 2:] == p[..., : g // 2] + d // 2).all()):
+                return False
+        return True
 
     def rope_freq_perm(self, layer: int) -> torch.Tensor:
         """[H, Gk, gk/2] inv_freq of each pair in the permuted in-group layout."""
@@ -220,7 +237,8 @@ def key_tailor(k: torch.Tensor, cb: Codebooks, layer: int):
         kw = kw / scale.float()[:, :, None]
     perm = cb.k_perm[layer].unsqueeze(0).expand(T, H, d)
     x = torch.gather(kw, 2, perm)
-    return x.view(T, H, d // cfg.group_size_k, cfg.group_size_k), scale
+    g = cb.key_group_size(layer)
+    return x.view(T, H, d // g, g), scale
 
 
 def encode_keys(k: torch.Tensor, cb: Codebooks, layer: int):
@@ -275,7 +293,7 @@ def rope_permuted(x: torch.Tensor, positions: torch.Tensor, cb: Codebooks, layer
                   inverse: bool = False) -> torch.Tensor:
     """RoPE in the permuted in-group layout: x [T, H, d] permuted, positions [T]."""
     T, H, d = x.shape
-    g = cb.config.group_size_k
+    g = cb.key_group_size(layer)
     freq = cb.rope_freq_perm(layer)  # [H, G, g/2]
     ang = positions.to(torch.float64).view(T, 1, 1, 1) * freq.to(torch.float64).unsqueeze(0)
     cos = (torch.cos(ang) * cb.attention_scaling).float()

@@ -78,8 +78,16 @@ class TaSQConfig:
     sink_window: int = 64  # full-precision prefix tokens at serving time
     recent_window: int = 256  # full-precision most recent tokens at serving time
     seed: int = 0
+    # a per-layer key rate (issue 14 item 2): the keys of these layers are coded with groups of
+    # mix_group_size_k channels and mix_codebook_size_k codewords, every other layer's at the
+    # rate above; values keep one rate. Empty: one key rate for the whole model.
+    mix_layers: tuple = ()
+    mix_group_size_k: int = 4
+    mix_codebook_size_k: int = 256
 
     def __post_init__(self) -> None:
+        if isinstance(self.mix_layers, list):  # from JSON
+            object.__setattr__(self, "mix_layers", tuple(self.mix_layers))
         for name in ("group_size_k", "group_size_v"):
             g = getattr(self, name)
             if not (_is_pow2(g) and g >= 2):
@@ -118,6 +126,28 @@ class TaSQConfig:
         for name in ("sink_window", "recent_window", "kmeans_tol"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        self._check_mix()
+
+    def _check_mix(self) -> None:
+        layers = self.mix_layers
+        if not isinstance(layers, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ConfigError(f"mix_layers={layers!r}: must be a list of layer indices")
+        if list(layers) != sorted(set(layers)) or any(i < 0 for i in layers):
+            raise ConfigError(f"mix_layers={list(layers)}: list each layer once, in increasing order, from 0")
+        g, k = self.mix_group_size_k, self.mix_codebook_size_k
+        if not (_is_pow2(g) and g >= 2):
+            raise ConfigError(f"mix_group_size_k={g}: must be a power of two >= 2")
+        if not (2 <= k <= 65536):
+            raise ConfigError(f"mix_codebook_size_k={k}: must be in [2, 65536]")
+        if not layers:
+            return
+        if (g, k) == (self.group_size_k, self.codebook_size_k):
+            raise ConfigError(f"mix_layers={list(layers)} at keys g={g} K={k}: the same key rate as every other "
+                              "layer (a mix needs a second rate)")
+        if self.key_rope != "pre" or self.mixes_keys or self.grouping not in ("covariance", "contiguous"):
+            raise ConfigError(f"mix_layers with weighting={self.weighting!r}, grouping={self.grouping!r}, "
+                              f"key_rope={self.key_rope!r}: a per-layer key rate is supported for pre-RoPE keys "
+                              "with diagonal or no weights and RoPE-pair groups (TaSQ, its ablations, cq_pairs)")
 
     # ---- derived ---------------------------------------------------------------------
     @property
@@ -132,6 +162,41 @@ class TaSQConfig:
     @property
     def code_bits_v(self) -> int:
         return max(1, math.ceil(math.log2(self.codebook_size_v)))
+
+    # ---- per-layer key rate (``mix_layers``) --------------------------------------------
+    @property
+    def layer_mixed(self) -> bool:
+        """Some layers' keys are coded at a second rate (``mix_layers``)."""
+        return bool(self.mix_layers)
+
+    def key_rate(self, layer: int) -> tuple[int, int]:
+        """(group size, codebook size) of the keys of ``layer``."""
+        if layer in self.mix_layers:
+            return self.mix_group_size_k, self.mix_codebook_size_k
+        return self.group_size_k, self.codebook_size_k
+
+    def code_bits_k_at(self, layer: int) -> int:
+        return max(1, math.ceil(math.log2(self.key_rate(layer)[1])))
+
+    def check_layers(self, num_layers: int) -> None:
+        """The mixed layers must exist in the model."""
+        bad = [i for i in self.mix_layers if i >= num_layers]
+        if bad:
+            raise ConfigError(f"mix_layers {bad}: the model has layers 0..{num_layers - 1}")
+        if self.mix_layers and len(self.mix_layers) == num_layers:
+            raise ConfigError(f"mix_layers lists all {num_layers} layers: that is one key rate "
+                              f"(group_size_k={self.mix_group_size_k}, codebook_size_k={self.mix_codebook_size_k})")
+
+    def bits_k_mean(self, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
+        """Bits per key element averaged over the model's layers (= :meth:`bits_k` without a mix)."""
+        if not self.mix_layers:
+            return self.bits_k(num_kv_heads, head_dim)
+        self.check_layers(num_layers)
+        from .packing import scales_per_token
+
+        meta = 16 * scales_per_token(self, num_kv_heads) / (num_kv_heads * head_dim)
+        code = sum(self.code_bits_k_at(l) / self.key_rate(l)[0] for l in range(num_layers)) / num_layers
+        return code + meta
 
     def bits_k(self, num_kv_heads: int, head_dim: int) -> float:
         """Bits per key element, metadata (the fp16 scale) included."""
@@ -153,12 +218,15 @@ class TaSQConfig:
 
     def check_head_dim(self, head_dim: int) -> None:
         """Groups must tile the head and the matching rounds must pair units evenly."""
-        for name in ("group_size_k", "group_size_v"):
+        names = ("group_size_k", "group_size_v") + (("mix_group_size_k",) if self.mix_layers else ())
+        for name in names:
             g = getattr(self, name)
             if head_dim % g:
                 raise ConfigError(f"{name}={g} does not divide head_dim={head_dim}")
-        if (head_dim // 2) % (self.group_size_k // 2):
-            raise ConfigError(f"group_size_k={self.group_size_k} cannot hold whole RoPE pairs of head_dim={head_dim}")
+        for name in names[:1] + names[2:]:
+            g = getattr(self, name)
+            if (head_dim // 2) % (g // 2):
+                raise ConfigError(f"{name}={g} cannot hold whole RoPE pairs of head_dim={head_dim}")
 
     # ---- presets ---------------------------------------------------------------------
     @classmethod
@@ -213,4 +281,7 @@ class TaSQConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown config fields {sorted(unknown)}")
+        d = dict(d)
+        if isinstance(d.get("mix_layers"), list):
+            d["mix_layers"] = tuple(d["mix_layers"])
         return cls(**d)

@@ -76,6 +76,9 @@ def shard_codebooks(cb, heads: range, scale_groups: int):
     ``scale_groups`` key-scale groups over them; one group per head is written as scale
     "per_head" (the same numbers: the kernels' per-head layout)."""
     def cut(t):
+        if isinstance(t, tuple):  # per-layer key codebooks [H, ...] (a per-layer key rate)
+            return tuple(c if heads.start == 0 and heads.stop == c.shape[0] else c[heads.start:heads.stop].contiguous()
+                         for c in t)
         whole = t is None or (heads.start == 0 and heads.stop == t.shape[1])
         return t if whole else t[:, heads.start:heads.stop].contiguous()
 

@@ -52,5 +52,13 @@ def random_codebooks(num_layers: int = 2, num_kv_heads: int = 2, head_dim: int =
         unmix = torch.linalg.inv(mix)
     if cfg.weighting == "qpca":
         mean = torch.randn(L, H, d, generator=gen)
+    if cfg.layer_mixed:  # a per-layer key rate: each listed layer's codebook and groups at the mix rate
+        cfg.check_layers(L)
+        gm, km = cfg.mix_group_size_k, cfg.mix_codebook_size_k
+        k_cb = tuple(torch.randn(H, d // gm, km, gm, generator=gen) if l in cfg.mix_layers else k_cb[l]
+                     for l in range(L))
+        for l in cfg.mix_layers:
+            perm[l] = (contiguous_pair_permutation(d, gm).expand(H, d) if cfg.grouping == "contiguous"
+                       else random_pair_permutation(H, d, gm, gen))
     return Codebooks(config=cfg, k_codebook=k_cb, k_weight=w, k_perm=perm, v_codebook=v_cb,
                      inv_freq=inv_freq.float(), k_mix=mix, k_unmix=unmix, k_mean=mean)

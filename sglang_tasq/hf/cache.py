@@ -47,7 +47,8 @@ class _TaSQSide:
         return {"codes": self.pack_fn(codes.reshape(codes.shape[0], -1), bits)}
 
     def _unpack(self, payload: dict, codebook: torch.Tensor, bits: int) -> torch.Tensor:
-        H, G = codebook.shape[1:3]
+        """``codebook``: the layer's [H, G, K, g]."""
+        H, G = codebook.shape[:2]
         T = payload["codes"].shape[0]
         return self.unpack_fn(payload["codes"], H * G, bits).view(T, H, G)
 
@@ -65,15 +66,15 @@ class TaSQKeys(_TaSQSide):
 
     def encode(self, x, layer, state):
         xt, scale = codec.key_tailor(x, self.cb, layer)
-        out = self._pack(self.nearest(xt, layer), self.cb.config.code_bits_k)
+        out = self._pack(self.nearest(xt, layer), self.cb.config.code_bits_k_at(layer))
         return out if scale is None else {**out, "scale": scale}
 
     def decode(self, payload, layer, state):
-        codes = self._unpack(payload, self.cb.k_codebook, self.cb.config.code_bits_k)
+        codes = self._unpack(payload, self.cb.k_codebook[layer], self.cb.config.code_bits_k_at(layer))
         return codec.decode_keys(codes, payload.get("scale"), self.cb, layer)
 
     def bits_per_element(self, num_kv_heads, head_dim):
-        return self.cb.config.bits_k(num_kv_heads, head_dim)
+        return self.cb.config.bits_k_mean(num_kv_heads, head_dim, self.cb.num_layers)
 
 
 class TaSQValues(_TaSQSide):
@@ -91,7 +92,7 @@ class TaSQValues(_TaSQSide):
         return self._pack(self.nearest(x.float().view(T, H, d // g, g), layer), self.cb.config.code_bits_v)
 
     def decode(self, payload, layer, state):
-        codes = self._unpack(payload, self.cb.v_codebook, self.cb.config.code_bits_v)
+        codes = self._unpack(payload, self.cb.v_codebook[layer], self.cb.config.code_bits_v)
         return codec.decode_values(codes, self.cb, layer)
 
     def bits_per_element(self, num_kv_heads, head_dim):

@@ -60,6 +60,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.codebooks = art.codebooks
         self.tasq_config = cfg = art.config
         H, d = self.head_num, self.head_dim
+        if cfg.layer_mixed:  # launch.validate refuses it first; this guards direct use of the pool
+            raise RuntimeError(f"tasq: the pool takes one key rate per artifact; this one mixes two "
+                               f"(mix_layers {list(cfg.mix_layers)})")
         if self.codebooks.num_kv_heads != H or self.codebooks.head_dim != d:
             raise RuntimeError(f"tasq: this rank's pool holds {H} KV heads of {d} dims, its codebooks "
                                f"{self.codebooks.num_kv_heads} of {self.codebooks.head_dim}")

@@ -154,3 +154,10 @@ def test_help_shows_flag_and_engine_refuses(good, smollm2_dir, tmp_path):
     rc, out, err = run_worker(spec, tmp_path, "refuse", timeout=300)
     assert rc == 2 and out is None
     assert err.strip().splitlines()[-1].startswith("tasq: --page-size 16"), err[-2000:]
+
+
+def test_per_layer_key_rate_artifact_is_refused(tmp_path, smollm2_dir, args):
+    """A ``calibrate --mix-layers`` artifact runs in the HF cache; the server's pool takes one key
+    rate per artifact, so it is refused at launch with the way out, not served wrongly."""
+    mixed = make_random_artifact(tmp_path / "mixed", smollm2_dir, mix_layers=(17, 18))
+    _assert_refused(args(), mixed, "layers [17, 18] at a second rate", "--mix-layers")

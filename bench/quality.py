@@ -130,11 +130,16 @@ def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=
     d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     overrides = dict(cfg.artifacts)
     sweep_names = rate_sweep.names(cfg.sweep_methods, cfg.sweep_points) if "rate_sweep" in cfg.benches else []
-    calibrated = any(M.parse(n).calib for n in [*cfg.methods, *sweep_names])
+    calibrated = any(isinstance(s, M.MixSpec) or s.calib for s in map(M.parse, [*cfg.methods, *sweep_names]))
     fp = fingerprint(load_config(resolve_model(cfg.model))) if calibrated else None
     built, bits, ids = {}, {}, {}
     for name in dict.fromkeys([*cfg.methods, *sweep_names]):
         spec = M.parse(name)
+        if isinstance(spec, M.MixSpec):  # a layer mix: its two artifacts, or its one mixed artifact
+            built[name], arts = M.prepare(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, fp, log)
+            bits[name] = M.bits(built[name], H, d)
+            ids.update({n: json.loads((a / "tasq.json").read_text())["tensors"]["sha256"] for n, a in arts.items()})
+            continue
         art = M.ensure_artifact(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, log)
         rope = rope_inv_freq(model) if spec.closed_form in M.NSN_METHODS else None  # NSNQuant's keys
         built[name] = M.build(spec, art, fp, rope=rope)

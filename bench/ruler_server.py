@@ -44,15 +44,18 @@ MEM_FRACTION = 0.15  # bf16 at 1k: 64 prompts x ~1k tokens must stay in the radi
 # what the server view's numbers depend on besides the suite's config (part of the run name)
 SERVER_KEY = {"chunked_prefill_size": CHUNK, "radix_cache": True, "max_running_requests": MAX_RUNNING,
               "concurrency": CONCURRENCY, "mem_fraction_static": MEM_FRACTION, "passes": ["cold", "warm"]}
-SERVABLE = "bf16 and plain calibrated TaSQ artifacts: tasq, its rate points tasq@..., tasq_tpN"
+SERVABLE = ("bf16 and plain calibrated TaSQ artifacts: tasq, its rate points tasq@..., tasq_tpN, and layer mixes "
+            "BASE+HI@L... from one calibrate --mix-layers artifact")
 
 
 # ---- which methods, which windows ---------------------------------------------------------
 def server_kind(name: str):
     """"bf16" or "tasq": the server that runs method ``name``; None when no server does."""
-    from .methods import parse
+    from .methods import MixSpec, parse
 
     spec = parse(name)
+    if isinstance(spec, MixSpec):  # served from its one mixed artifact (see served_manifest)
+        return "tasq"
     if spec.closed_form == "bf16":
         return "bf16"
     plain = spec.ablation is None and spec.keys and spec.values  # every stage on, both sides coded
@@ -67,6 +70,20 @@ def check_servable(names) -> None:
         if server_kind(name) is None:
             raise ValueError(f"niah view 'server': method {name!r} cannot be served (the server runs {SERVABLE}); "
                              f"drop it from --niah-methods or use --niah-view decode")
+
+
+def served_manifest(name: str, cfg) -> Path:
+    """The tasq.json the server runs for TaSQ method ``name``: its artifact; for a layer mix the
+    one ``calibrate --mix-layers`` artifact given for its name (the server reads one artifact)."""
+    from .methods import MixSpec, artifact_dir, parse
+
+    spec, given = parse(name), dict(cfg.artifacts)
+    if isinstance(spec, MixSpec):
+        if spec.mixed_artifact_name not in given:
+            raise ValueError(f"niah view 'server': layer mix {name!r} is served from one calibrate --mix-layers "
+                             f"artifact: pass it as --artifact '{spec.mixed_artifact_name}=DIR'")
+        return Path(given[spec.mixed_artifact_name]) / "tasq.json"
+    return artifact_dir(spec, Path(cfg.artifact_root), cfg.preset, given) / "tasq.json"
 
 
 def served_windows(kind: str, manifest=None) -> str:
@@ -264,7 +281,6 @@ def run(ctx) -> dict:
     {method: {setting: {length: result}}}, bf16 under both settings, TaSQ under its artifact's."""
     from sglang_tasq.models import resolve_model
 
-    from .methods import artifact_dir, parse
     from .report import write_json
 
     cfg, res = ctx.cfg, {}
@@ -275,7 +291,7 @@ def run(ctx) -> dict:
         kind = server_kind(name)
         manifest = None
         if kind == "tasq":
-            manifest = artifact_dir(parse(name), Path(cfg.artifact_root), cfg.preset, dict(cfg.artifacts)) / "tasq.json"
+            manifest = served_manifest(name, cfg)
         setting = served_windows(kind, manifest)
         if kind == "tasq":
             ctx.log(f"[ruler] server view: {name} is served with its artifact's windows {setting} only; "

@@ -89,7 +89,7 @@ def _calibrate_parser() -> argparse.ArgumentParser:
                     help="a per-layer key rate: code the keys of these layers with --mix-group-size-k channels "
                          "per group and --mix-codebook-size-k codewords (default 4 x 256, the 1.7 rate's keys), "
                          "every other layer's at the main rate; e.g. the retrieval-head layers "
-                         "(python -m bench.retrieval_heads). Not served by the SGLang plugin yet")
+                         "(python -m bench.retrieval_heads)")
     ap.add_argument("--mix-group-size-k", type=int, help="channels per key group in the --mix-layers (default 4)")
     ap.add_argument("--mix-codebook-size-k", type=int, help="key codewords in the --mix-layers (default 256)")
     ap.add_argument("--tokens", type=int, help="calibration tokens")

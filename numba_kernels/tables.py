@@ -49,16 +49,18 @@ class LayerTables:
 
     @classmethod
     def from_codebooks(cls, cb: Codebooks, layer: int, device="cpu") -> "LayerTables":
-        """Tables of ``layer`` of ``cb`` (diagonal or no weighting only)."""
+        """Tables of ``layer`` of ``cb`` (diagonal or no weighting only). With a per-layer key rate
+        (``config.mix_layers``) the tables' ``config`` is the layer's one-rate config
+        (:meth:`TaSQConfig.for_layer`), so every kernel launch reads this layer's key rate."""
         if cb.k_mix is not None:
             raise ValueError("dense key weighting (k_mix) has no kernel; use weighting='diag' or 'none'")
-        cfg = cb.config
+        cfg = cb.config.for_layer(layer)
         if cfg.code_bits_k > 16 or cfg.code_bits_v > 16:
             raise ValueError(f"code bits {cfg.code_bits_k}/{cfg.code_bits_v}: kernels support <= 16")
         if cfg.scale == "shared" and cfg.scale_groups > 1:  # (one group per head arrives as "per_head")
             raise ValueError(f"scale_groups={cfg.scale_groups}: the CUDA kernels read one key scale per token or "
                              "one per head (sglang_tasq.sharding.shard gives each TP rank one of those)")
-        one = Codebooks(config=cfg, k_codebook=cb.k_codebook[layer : layer + 1].half().float(),
+        one = Codebooks(config=cfg, k_codebook=cb.k_codebook[layer][None].half().float(),
                         k_weight=cb.k_weight[layer : layer + 1].float(), k_perm=cb.k_perm[layer : layer + 1],
                         v_codebook=cb.v_codebook[layer : layer + 1].half().float(),
                         inv_freq=cb.inv_freq.float(), attention_scaling=cb.attention_scaling)

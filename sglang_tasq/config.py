@@ -175,6 +175,14 @@ class TaSQConfig:
             return self.mix_group_size_k, self.mix_codebook_size_k
         return self.group_size_k, self.codebook_size_k
 
+    def for_layer(self, layer: int) -> "TaSQConfig":
+        """The one-rate config of ``layer``'s keys (this config without a mix): what the kernels of
+        one layer read (``numba_kernels.tables.LayerTables``)."""
+        if not self.mix_layers:
+            return self
+        g, k = self.key_rate(layer)
+        return dataclasses.replace(self, group_size_k=g, codebook_size_k=k, mix_layers=())
+
     def code_bits_k_at(self, layer: int) -> int:
         return max(1, math.ceil(math.log2(self.key_rate(layer)[1])))
 

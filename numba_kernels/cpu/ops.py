@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sglang_tasq.packing import SCALE_MODE_ID, scales_per_token
+from sglang_tasq.packing import SCALE_MODE_ID, packed_row_bytes, scales_per_token
 
 from ._common import _NO_RING, _SERIAL_BELOW, _arr, _as_f32, _np, _u16
 from .decode import _decode_attention
@@ -68,6 +68,9 @@ class DecodeTables:
             raise NotImplementedError("the CPU decode kernel serves diagonal (or no) key weighting; "
                                       "the dense-weighting ablation uses the reference path")
         H, G, K, g = cb.k_codebook[layer].shape
+        # this layer's key code width and row bytes (a per-layer key rate, config.mix_layers)
+        self.bits_k = cb.config.code_bits_k_at(layer)
+        self.code_bytes_k = packed_row_bytes(H * G, self.bits_k)
         self.kperm = cb.k_perm[layer].detach().to(torch.int64).contiguous().numpy()
         w = torch.gather(cb.k_weight[layer].detach().float(), 1, cb.k_perm[layer].detach().to(torch.int64))
         if bool((w != 0).all()):
@@ -93,10 +96,12 @@ class DecodePlan:
     none; read through a view, so entries assigned after the plan is built are seen), None
     without windows. split_tokens: positions per split-K range (default
     :data:`SPLIT_TOKENS`); fixed, not chosen from the batch, so every request gets the same
-    floating-point answer alone or in any batch.
+    floating-point answer alone or in any batch. code_bytes_k: the key code bytes per row every
+    layer has, checked against each layer's tables; None: each layer's own
+    (:attr:`DecodeTables.code_bytes_k`; a per-layer key rate, ``config.mix_layers``).
     """
 
-    def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cfg, code_bytes_k: int,
+    def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, cfg, code_bytes_k: int | None,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
                  entry_of: torch.Tensor | None = None, split_tokens: int | None = None):
         self.cfg, self.code_bytes_k = cfg, code_bytes_k
@@ -143,9 +148,12 @@ class DecodePlan:
                     raise TypeError(f"window entries must be bfloat16, got {w.dtype}")
             wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
         cfg = self.cfg
+        if self.code_bytes_k is not None and tables.code_bytes_k != self.code_bytes_k:
+            raise ValueError(f"decode plan: planned for {self.code_bytes_k} key code bytes per row, the layer's "
+                             f"tables have {tables.code_bytes_k}")
         _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
                           _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
-                          tables.kw, tables.vcb, cfg.code_bits_k, cfg.code_bits_v, self.code_bytes_k, self.scale_mode,
+                          tables.kw, tables.vcb, tables.bits_k, cfg.code_bits_v, tables.code_bytes_k, self.scale_mode,
                           self.cos, self.sin, self.composed, self.entry_of, wk, wv, cfg.sink_window, cfg.recent_window,
                           np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
         return torch.from_numpy(out)
@@ -218,7 +226,8 @@ class PoolEncoder:
             if buf is not None and not (buf.flags.c_contiguous if isinstance(buf, np.ndarray) else buf.is_contiguous()):
                 raise ValueError("PoolEncoder writes in place: pool buffers must be contiguous")
         w, kperm, kprep, vprep = self._layer(layer)
-        gk, gv = cfg.group_size_k, cfg.group_size_v
+        gk, gv = self.cb.key_group_size(layer), cfg.group_size_v
+        bits_k = cfg.code_bits_k_at(layer)
         kf, vf = _np(k_post, torch.float32), _np(v, torch.float32)
         pos, locn = _np(positions, torch.int64), _np(loc, torch.int64)
         cosn, sinn = _arr(cos, _as_f32), _arr(sin, _as_f32)
@@ -232,7 +241,7 @@ class PoolEncoder:
             wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
         if T < _SERIAL_BELOW:  # a decode step: one call
             return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, SCALE_MODE_ID[cfg.scale], gk, gv,
-                                  kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, cfg.code_bits_k,
+                                  kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, bits_k,
                                   cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv)
         kpre = np.empty((T, H, d), np.float32)
         x = np.empty((T, H * (d // gk), gk), np.float32)
@@ -244,6 +253,6 @@ class PoolEncoder:
         vcodes = np.empty((T, H * (d // gv)), np.int32)
         _search(x, kprep, kcodes)
         _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
-        _write_rows(kcodes, sbits, vcodes, cfg.code_bits_k, cfg.code_bits_v, code_bytes_k,
+        _write_rows(kcodes, sbits, vcodes, bits_k, cfg.code_bits_v, code_bytes_k,
                     locn, kb, vb, kpre, vf, wr, wi, wk, wv)
         return True

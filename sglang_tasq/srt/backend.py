@@ -207,7 +207,8 @@ class TaSQAttnBackend(AttentionBackend):
         if plan is None:
             cos, sin = self._cos_sin(max(md["seq_lens"], default=1), q3.device)
             plan = md["plan"] = cpu.DecodePlan(
-                md["kv_indptr"], md["kv_indices"], pool.tasq_config, pool.code_bytes_k, layer.tp_q_head_num,
+                md["kv_indptr"], md["kv_indices"], pool.tasq_config,
+                None if pool.tasq_config.layer_mixed else pool.code_bytes_k, layer.tp_q_head_num,
                 layer.tp_k_head_num, layer.qk_head_dim, cos.squeeze(1), sin.squeeze(1),
                 pool.exact.entry_of if pool.exact is not None else None)
         npv = pool._np

@@ -139,11 +139,6 @@ def validate(sa, path: Optional[str] = None):
     if art.config.key_rope != "pre":
         raise TaSQLaunchError(f"tasq: artifact {path} codes keys after RoPE (key_rope '{art.config.key_rope}', the "
                               "NovaKV baseline); the serving kernels code pre-RoPE keys: serve a --method tasq artifact")
-    if art.config.layer_mixed:
-        raise TaSQLaunchError(f"tasq: artifact {path} codes the keys of layers {list(art.config.mix_layers)} at a "
-                              "second rate (calibrate --mix-layers); the server's pool and kernels take one key "
-                              "rate per artifact: serve an artifact calibrated without --mix-layers (a mixed "
-                              "artifact runs in the HF cache and bench.retrieval)")
     tp = int(getattr(sa, "tp_size", 1) or 1)
     try:
         groups = sharding.check_tp(art.config, art.model.num_kv_heads, tp)

@@ -8,6 +8,9 @@ Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding wr
   scales, 0 without).
 - ``v_buffer[l]``: uint8 ``[rows, Bv]``: the packed value codes.
 
+With a per-layer key rate (``config.mix_layers``) ``Bk`` is the layer's own (``code_bytes_k_of[l]``,
+key groups ``gk_of[l]``, code bits ``bits_k_of[l]``); ``gk`` / ``code_bytes_k`` are the main rate's.
+
 SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 768 in bf16.
 
 Full-precision windows follow the one rule of :mod:`sglang_tasq.windows` (a query at position
@@ -24,7 +27,7 @@ that the rule says is exact.
 from __future__ import annotations
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool, unwrap_write_loc
 
 from numba_kernels import fastpath
 
@@ -60,22 +63,25 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.codebooks = art.codebooks
         self.tasq_config = cfg = art.config
         H, d = self.head_num, self.head_dim
-        if cfg.layer_mixed:  # launch.validate refuses it first; this guards direct use of the pool
-            raise RuntimeError(f"tasq: the pool takes one key rate per artifact; this one mixes two "
-                               f"(mix_layers {list(cfg.mix_layers)})")
         if self.codebooks.num_kv_heads != H or self.codebooks.head_dim != d:
             raise RuntimeError(f"tasq: this rank's pool holds {H} KV heads of {d} dims, its codebooks "
                                f"{self.codebooks.num_kv_heads} of {self.codebooks.head_dim}")
         self.gk, self.gv = d // cfg.group_size_k, d // cfg.group_size_v
         self.code_bytes_k, self.scale_bytes, self.code_bytes_v = packing.row_bytes(cfg, H, d)
+        # per layer (a per-layer key rate, cfg.mix_layers, gives some layers other key groups and
+        # code widths): key groups, key code bits, key code bytes of local layer lid
+        layers = [self.start_layer + lid for lid in range(self.layer_num)]
+        self.gk_of = [d // cfg.key_rate(l)[0] for l in layers]
+        self.bits_k_of = [cfg.code_bits_k_at(l) for l in layers]
+        self.code_bytes_k_of = [packing.row_bytes(cfg, H, d, l)[0] for l in layers]
         self.store_dtype = torch.uint8
         rows = self.size + self.page_size
         for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
                      "dq_k_buffer", "dq_v_buffer"):
             setattr(self, name, None)
         with self.memory_saver_adapter.region("kv_cache"):
-            self.k_buffer = [torch.zeros(rows, self.code_bytes_k + self.scale_bytes, dtype=torch.uint8, device=self.device)
-                             for _ in range(self.layer_num)]
+            self.k_buffer = [torch.zeros(rows, self.code_bytes_k_of[lid] + self.scale_bytes, dtype=torch.uint8,
+                                         device=self.device) for lid in range(self.layer_num)]
             self.v_buffer = [torch.zeros(rows, self.code_bytes_v, dtype=torch.uint8, device=self.device)
                              for _ in range(self.layer_num)]
         self.window = cfg.sink_window + cfg.recent_window
@@ -274,7 +280,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                 wr, wi, _ = win_targets
             done = self._encoder.encode_into(
                 layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos_np, sin_np, loc,
-                self._np["k"][lid], self._np["v"][lid], self.code_bytes_k, wr, wi,
+                self._np["k"][lid], self._np["v"][lid], self.code_bytes_k_of[lid], wr, wi,
                 self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None)
             if done:
                 return
@@ -285,7 +291,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         gv = self.tasq_config.group_size_v
         v_codes = self._near_v(v.float().view(T, H, d // gv, gv), layer.layer_id)
         pack = fastpath.packer(self.cpu_kernels)
-        krow = pack(k_codes.reshape(T, H * self.gk), self.tasq_config.code_bits_k)
+        krow = pack(k_codes.reshape(T, H * self.gk_of[lid]), self.bits_k_of[lid])
         vrow = pack(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
         self.write_rows(lid, loc, krow, k_scale, vrow)
         self.write_windows(lid, k_pre, v, win_targets)
@@ -317,10 +323,11 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         S, H = slots.shape[0], self.head_num
         cfg = self.tasq_config
         krow = self.k_buffer[lid][slots]
-        k_codes = self._unpack(krow[:, : self.code_bytes_k], H * self.gk, cfg.code_bits_k).view(S, H, self.gk)
+        Bk, gk = self.code_bytes_k_of[lid], self.gk_of[lid]
+        k_codes = self._unpack(krow[:, :Bk], H * gk, self.bits_k_of[lid]).view(S, H, gk)
         scale = None
         if self.scale_bytes:
-            sb = krow[:, self.code_bytes_k:]  # copied to a fresh buffer: a 1-row slice keeps an odd offset
+            sb = krow[:, Bk:]  # copied to a fresh buffer: a 1-row slice keeps an odd offset
             scale = torch.empty_like(sb, memory_format=torch.contiguous_format).copy_(sb).view(torch.float16)
             scale = scale.reshape(S) if self.scale_bytes == 2 else scale.reshape(S, self.scale_bytes // 2)
         v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
@@ -369,6 +376,16 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         k = torch.gather(k, 2, inv.unsqueeze(0).expand(S, H, -1))
         v = vflat.index_select(0, (v_codes + voff).reshape(-1)).view(S, H, v_codes.shape[2] * vflat.shape[1])
         return k, v
+
+    def _build_kv_buffer_descs(self):
+        """One descriptor per buffer from its own shape (SGLang's takes layer 0's for all, and a
+        per-layer key rate gives the layers' key rows different widths)."""
+        descs = []
+        for prefix, bufs in (("k", self.k_buffer), ("v", self.v_buffer)):
+            for layer, t in enumerate(bufs):
+                descs.append(KvBufferDesc(f"{prefix}{layer}", tuple(t.shape), row_bytes=t.shape[1] * t.element_size(),
+                                          tokens_per_row=1))
+        return descs
 
     def get_kv_size_bytes(self):
         """(key bytes, value bytes) actually held, the exact window store included."""

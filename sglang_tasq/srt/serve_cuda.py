@@ -73,7 +73,7 @@ class TaSQCudaAdapter:
         self.ops, self.pool, self.req_to_token = ops, pool, req_to_token_pool.req_to_token
         self.full_dtype = full_dtype
         self.max_view_tokens = max_view_tokens or pool.options.cuda_view_tokens
-        self.cfg = pool.tasq_config
+        self.cfg = pool.tasq_config  # key rates per layer: each layer's tables (tb.config, tb.k_groups)
         self.windows = pool.exact is not None and (self.cfg.sink_window + self.cfg.recent_window) > 0
         self._tables: dict = {}
 
@@ -156,7 +156,7 @@ class TaSQCudaAdapter:
     def _decode_slots(self, lid: int, tb, slots: torch.Tensor):
         """slots [S] -> pre-RoPE keys, values [S, H, d] f32 decoded from their codes (device tables)."""
         pool, cfg = self.pool, self.cfg
-        H, Bk = pool.head_num, pool.code_bytes_k
+        H, Bk = pool.head_num, tb.k_row_bytes
         krows = pool.k_buffer[lid].index_select(0, slots)
         vrows = pool.v_buffer[lid].index_select(0, slots)
         scale = None
@@ -170,7 +170,7 @@ class TaSQCudaAdapter:
         """Packed rows (+ fp16 scales [n] / [n, H] or None) -> pre-RoPE k, v [n, H, d] f32."""
         pool, cfg = self.pool, self.cfg
         H = pool.head_num
-        kc = packing.unpack_codes(k_codes, H * pool.gk, cfg.code_bits_k).view(-1, H, pool.gk)
+        kc = packing.unpack_codes(k_codes, H * tb.k_groups, tb.config.code_bits_k).view(-1, H, tb.k_groups)
         vc = packing.unpack_codes(v_codes, H * pool.gv, cfg.code_bits_v).view(-1, H, pool.gv)
         kp = _codewords(kc, tb.k_cb)
         if k_scale is not None:
@@ -278,7 +278,7 @@ class TaSQCudaAdapter:
     def _view(self, lid: int, tb, g):
         """(k_codes, v_codes, k_scale, k_full, v_full) of group g in layer lid, rows = kv order."""
         pool, cfg = self.pool, self.cfg
-        H, d, Bk = pool.head_num, pool.head_dim, pool.code_bytes_k
+        H, d, Bk = pool.head_num, pool.head_dim, tb.k_row_bytes
         krows = pool.k_buffer[lid].index_select(0, g.slots)
         k_codes = krows[:, :Bk].contiguous()
         v_codes = pool.v_buffer[lid].index_select(0, g.slots)

@@ -156,8 +156,15 @@ def test_help_shows_flag_and_engine_refuses(good, smollm2_dir, tmp_path):
     assert err.strip().splitlines()[-1].startswith("tasq: --page-size 16"), err[-2000:]
 
 
-def test_per_layer_key_rate_artifact_is_refused(tmp_path, smollm2_dir, args):
-    """A ``calibrate --mix-layers`` artifact runs in the HF cache; the server's pool takes one key
-    rate per artifact, so it is refused at launch with the way out, not served wrongly."""
+def test_per_layer_key_rate_artifact_is_served(tmp_path, smollm2_dir, args):
+    """A ``calibrate --mix-layers`` artifact passes launch on CPU and CUDA (both take a key rate per
+    layer); one whose mixed layers the model lacks is refused naming them."""
     mixed = make_random_artifact(tmp_path / "mixed", smollm2_dir, mix_layers=(17, 18))
-    _assert_refused(args(), mixed, "layers [17, 18] at a second rate", "--mix-layers")
+    for kw in ({}, dict(device="cuda")):
+        assert validate(args(**kw), str(mixed)).config.mix_layers == (17, 18)
+    bad = tmp_path / "bad"
+    shutil.copytree(mixed.parent, bad)
+    man = json.loads((bad / "tasq.json").read_text())
+    man["config"]["mix_layers"] = [17, 30]
+    (bad / "tasq.json").write_text(json.dumps(man))
+    _assert_refused(args(), bad / "tasq.json", "mix_layers [30]: the model has layers 0..29")

@@ -9,27 +9,35 @@ from sglang_tasq.config import TaSQConfig
 from sglang_tasq.testing import random_codebooks
 
 
-def _tasq_pools(window_rows: int, kernels: tuple = (True, True), req_rows: int | None = None):
+# a per-layer key rate (calibrate --mix-layers): layer 1's keys in groups of 4 of 16 codewords
+# (4 bytes of key codes per row against layer 0's 3), so every path reads each layer's own width
+MIXED = dict(mix_layers=(1,), mix_group_size_k=4, mix_codebook_size_k=16)
+
+
+def _tasq_pools(window_rows: int, kernels: tuple = (True, True), req_rows: int | None = None, mixed: bool = False):
     """One real TaSQTokenToKVPool per ``kernels`` flag (its ``ServeOptions.cpu_kernels``: Numba
     kernels, or the plain-torch path; 96 slots, 2 layers, 2 KV heads of 16, sink 2, recent 3)
     sized for ``window_rows`` running requests, and (with ``req_rows``) one ReqToTokenPool
-    with that many rows, not yet attached to any pool."""
+    with that many rows, not yet attached to any pool. ``mixed``: layer 1 at a second key rate."""
     from _pools import make_pool, make_request_rows
 
-    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3, **(MIXED if mixed else {}))
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
-    cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
+    cb.k_codebook = (tuple(c.half().float() for c in cb.k_codebook) if mixed else cb.k_codebook.half().float())
+    cb.v_codebook = cb.v_codebook.half().float()
     pools = [make_pool(cb, 96, window_rows, cpu_kernels=k) for k in kernels]
     for pool in pools:
         assert pool.exact.capacity == window_rows * (2 + 2 * 3)
     return pools, (make_request_rows(req_rows) if req_rows is not None else None)
 
 
-def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_key_rate", "per_layer_key_rate"])
+def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(mixed):
     """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
     requests, a radix-shared prefix (its sink and tail read from the entries its first writer
     made), entries gone stale outside the window or evicted (LRU, the store is sized to its
-    limit) read from codes, in-window tokens from their entries."""
+    limit) read from codes, in-window tokens from their entries; with a per-layer key rate
+    each layer's rows at its own width."""
     import types
 
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -37,7 +45,9 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
 
     from sglang_tasq.srt.backend import TaSQAttnBackend
 
-    (pool,), r2t_pool = _tasq_pools(window_rows=3, kernels=(True,), req_rows=3)
+    (pool,), r2t_pool = _tasq_pools(window_rows=3, kernels=(True,), req_rows=3, mixed=mixed)
+    if mixed:
+        assert [b.shape[1] for b in pool.k_buffer] == [3 + 2, 4 + 2]  # key codes + the fp16 scale
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t_pool, token_to_kv_pool=pool)
     be_k, be_t = TaSQAttnBackend(runner), TaSQAttnBackend(runner)  # one pool, one request table
     be_t._decode_kernel = False
@@ -97,7 +107,7 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
                 codes_only = cpu.decode_attention(
                     q.view(-1, 4, 16), pool.k_buffer[lid], pool.v_buffer[lid], md["kv_indptr"], md["kv_indices"],
                     be_k._decode_tables[lid] if lid in be_k._decode_tables else cpu.DecodeTables(pool.codebooks, lid),
-                    pool.tasq_config, pool.code_bytes_k, *(t.squeeze(1) for t in be_k._cos_sin(max(lens), "cpu")),
+                    pool.tasq_config, pool.code_bytes_k_of[lid], *(t.squeeze(1) for t in be_k._cos_sin(max(lens), "cpu")),
                     0.25)
                 windows_matter = max(windows_matter, float((codes_only - got.view(-1, 4, 16)).abs().max()))
     assert decodes == 8
@@ -115,12 +125,14 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool():
     assert gone  # some slots outside the windows (positions 2..5 of request 0 at least) read codes
 
 
-def test_pool_encoder_writes_what_the_reference_path_writes():
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_key_rate", "per_layer_key_rate"])
+def test_pool_encoder_writes_what_the_reference_path_writes(mixed):
     """Fused Numba encode (un-rotate, tailor, scale, nearest, pack, exact window entries) vs the
-    pool's plain-torch path, token by token, on two real TaSQTokenToKVPools."""
+    pool's plain-torch path, token by token, on two real TaSQTokenToKVPools (with a per-layer key
+    rate: layer 1 at the second rate, layer 0 at the first)."""
     import types
 
-    (pool_n, pool_t), _ = _tasq_pools(window_rows=2, kernels=(True, False))
+    (pool_n, pool_t), _ = _tasq_pools(window_rows=2, kernels=(True, False), mixed=mixed)
     assert pool_n._encoder is not None and pool_t._encoder is None
     layer = types.SimpleNamespace(layer_id=1)
     gen = torch.Generator().manual_seed(9)
@@ -222,3 +234,40 @@ def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_fin
     pool_a.set_kv_buffer(types.SimpleNamespace(layer_id=1), loc[:1], kk[:1], vv[:1], positions=positions[:1],
                          req_rows=torch.tensor([0]), seq_lens=torch.tensor([8]))  # falls back, no error
     assert int(pool_a.exact.entry_of[loc[0]]) == int(wr[0])  # position 7 of 8: still in the window
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["numba", "torch"])
+def test_per_layer_key_rate_pool_stores_the_reference_codes(kernels):
+    """A per-layer key rate in a real pool: each layer's rows hold the reference codec's codes at
+    that layer's rate (``codec.encode_keys`` / ``encode_values`` with the mixed codebooks), and
+    reading them back decodes as ``codec.decode_keys`` / ``decode_values`` does."""
+    import types
+
+    from sglang_tasq import codec, packing
+    from sglang_tasq.rope import apply_rope
+
+    (pool,), _ = _tasq_pools(window_rows=2, kernels=(kernels,), mixed=True)
+    cb = pool.codebooks
+    gen = torch.Generator().manual_seed(11)
+    T = 40
+    positions = torch.arange(T) + 500  # outside the sink, all past the recent window of a 1000-token request
+    loc = torch.randperm(95, generator=gen)[:T] + 1
+    k = torch.randn(T, 2, 16, generator=gen) * 3
+    v = torch.randn(T, 2, 16, generator=gen)
+    seq = torch.full((T,), 1000)
+    for lid in (0, 1):
+        pool.set_kv_buffer(types.SimpleNamespace(layer_id=lid), loc, k.reshape(T, 32), v.reshape(T, 32),
+                           positions=positions, req_rows=torch.zeros(T, dtype=torch.long), seq_lens=seq)
+        k_pre = apply_rope(k, positions, cb.inv_freq, cb.attention_scaling, inverse=True)
+        kc, scale = codec.encode_keys(k_pre, cb, lid)
+        vc = codec.encode_values(v, cb, lid)
+        g = 4 if lid == 1 else 8
+        assert kc.shape == (T, 2, 16 // g)
+        want_row = packing.pack_codes(kc.reshape(T, -1), cb.config.code_bits_k_at(lid))
+        got_row = pool.k_buffer[lid][loc]
+        same = (got_row[:, : want_row.shape[1]] == want_row).all(1).float().mean().item()
+        assert got_row.shape[1] == want_row.shape[1] + 2 and same >= 0.95, same  # near-ties aside
+        k_dec, v_dec = pool.read_codes(lid, loc)
+        ok = (got_row[:, : want_row.shape[1]] == want_row).all(1)
+        torch.testing.assert_close(k_dec[ok], codec.decode_keys(kc, scale, cb, lid)[ok], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_dec, codec.decode_values(vc, cb, lid), atol=1e-5, rtol=1e-5)

@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from sglang_tasq.options import child_env, set_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,18 +40,21 @@ class Batch:
     forward_mode: object
 
 
-def _setup(window_rows: str):
+def _setup(window_rows: str, mixed: bool = False):
     """Two (pool, backend) pairs on CPU. ``window_rows`` sizes the exact store
     (SGLANG_TASQ_WINDOW_ROWS); raised to the ReqToTokenPool size (4) when smaller, as
-    ``attach_request_rows`` requires."""
+    ``attach_request_rows`` requires. ``mixed``: a per-layer key rate (layer 1's keys in groups
+    of 4 of 16 codewords: key rows of another width than layer 0's)."""
     from _pools import make_backend, make_pool
 
     from sglang_tasq.config import TaSQConfig
     from sglang_tasq.testing import random_codebooks
 
-    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3)
+    mix = dict(mix_layers=(1,), mix_group_size_k=4, mix_codebook_size_k=16) if mixed else {}
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3, **mix)
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
-    cb.k_codebook, cb.v_codebook = cb.k_codebook.half().float(), cb.v_codebook.half().float()
+    cb.k_codebook = tuple(c.half().float() for c in cb.k_codebook) if mixed else cb.k_codebook.half().float()
+    cb.v_codebook = cb.v_codebook.half().float()
     pools = [make_pool(cb, 96, max(int(window_rows), REQ_ROWS)) for _ in range(2)]
     return pools, [make_backend(p, REQ_ROWS) for p in pools]
 
@@ -59,7 +64,7 @@ def _strict_pairs(prefix: int, seq: int, sink: int, recent: int) -> int:
     return sum(1 for i in range(prefix, seq) for j in range(prefix, i + 1) if sink <= j < i + 1 - recent)
 
 
-def _sim_main() -> dict:
+def _sim_main(mixed: bool = False) -> dict:
     import types
 
     import torch
@@ -67,7 +72,7 @@ def _sim_main() -> dict:
 
     from sglang_tasq.srt.serve_cuda import TaSQCudaAdapter
 
-    (pool_a, pool_b), (be_a, be_b) = _setup("2")
+    (pool_a, pool_b), (be_a, be_b) = _setup("2", mixed)
     assert pool_a.exact.capacity == REQ_ROWS * (2 + 2 * 3)
     rows = [be.req_to_token_pool.alloc_rows(3) for be in (be_a, be_b)]
     assert rows[0] == rows[1]
@@ -142,18 +147,21 @@ def _sim_main() -> dict:
     res["entries_used"] = pool_a.exact.used()
     res["entries_written"] = bool((pool_a.exact.k[0][1:pool_a.exact.used() + 1] != 0).any(-1).any(-1).all())
     res["plan_groups"] = [len(be_a.forward_metadata["tasq_cuda_plan"]), len(md16["tasq_cuda_plan"])]
+    res["key_row_bytes"] = [int(b.shape[1]) for b in pool_a.k_buffer]
     return res
 
 
-def test_adapter_matches_cpu_path_in_simulator():
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_key_rate", "per_layer_key_rate"])
+def test_adapter_matches_cpu_path_in_simulator(mixed):
     env = child_env(NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve())] + (["mixed"] if mixed else []), cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert p.returncode == 0 and lines, p.stderr[-4000:]
     res = json.loads(lines[-1])
     print(res)
     assert res["plan_groups"] == [1, 3]
+    assert res["key_row_bytes"] == ([3 + 2, 4 + 2] if mixed else [3 + 2, 3 + 2])  # codes + the fp16 scale
     assert res["strict_pairs"] > 0 and res["shared_entries"] == 4, res
     assert res["tight"] < 1e-4, res
     assert res["loose"] < 3e-2, res
@@ -166,4 +174,4 @@ def test_adapter_matches_cpu_path_in_simulator():
 
 if __name__ == "__main__":
     set_env("NUMBA_ENABLE_CUDASIM", "1")
-    print(json.dumps(_sim_main()), flush=True)
+    print(json.dumps(_sim_main(mixed="mixed" in sys.argv[1:])), flush=True)

@@ -142,12 +142,14 @@ def step_bytes(cfg, B: int, S: int) -> dict:
     batch); bf16 its K/V and the slot index."""
     from sglang_tasq import packing
 
-    kc, ks, vc = packing.row_bytes(cfg, H, D)
     win = min(S, cfg.sink_window + cfg.recent_window)
     exact = 2 * H * D * 2  # bf16 K + V of one token in one layer
-    books = (cfg.codebook_size_k + cfg.codebook_size_v) * H * D * 4  # K codewords of g dims per group of g
-    kv = B * L * ((S - win) * (kc + ks + vc) + win * exact) + B * S * 16
-    return {"tasq": kv + L * books, "tasq_codebooks": L * books, "bf16": B * (L * S * exact + S * 8)}
+    kv, books = B * S * 16, 0
+    for layer in range(L):  # each layer at its key rate (config.mix_layers)
+        kc, ks, vc = packing.row_bytes(cfg, H, D, layer)
+        kv += B * ((S - win) * (kc + ks + vc) + win * exact)
+        books += (cfg.key_rate(layer)[1] + cfg.codebook_size_v) * H * D * 4  # K codewords of g dims per group of g
+    return {"tasq": kv + books, "tasq_codebooks": books, "bf16": B * (L * S * exact + S * 8)}
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:

@@ -221,14 +221,19 @@ def ensure_artifact(spec: MethodSpec, model: str, preset: str, root: Path, overr
         res = subprocess.run(argv, capture_output=True, text=True)
         if res.returncode != 0 or not manifest.is_file():
             raise RuntimeError(f"calibration of {spec.artifact_name} failed (rc {res.returncode}): {res.stderr[-2000:]}")
+    check_config(manifest, spec, "method")
+    return out
+
+
+def check_config(manifest: Path, spec, what: str) -> None:
+    """ValueError naming each field where the artifact's config differs from ``spec.expected_config()``."""
     from sglang_tasq.config import TaSQConfig
 
     got = {**TaSQConfig().to_dict(), **json.loads(manifest.read_text())["config"]}  # fields older artifacts lack
     got = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items()}  # JSON lists: mix_layers
     bad = {k: (v, got.get(k)) for k, v in spec.expected_config().items() if got.get(k) != v}
     if bad:
-        raise ValueError(f"artifact {manifest} does not fit method {spec.name}: (want, has) {bad}")
-    return out
+        raise ValueError(f"artifact {manifest} does not fit {what} {spec.name}: (want, has) {bad}")
 
 
 def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None, rope=None) -> KVMethod:
@@ -285,17 +290,12 @@ def _mixed_artifact(spec: MixSpec, out: Path, fingerprint=None) -> tuple:
     config), under the mix's name: the codes of the two-artifact mix when both come from one
     capture and seed."""
     from sglang_tasq.artifact import load_artifact
-    from sglang_tasq.config import TaSQConfig
     from sglang_tasq.hf.cache import TaSQKeys, TaSQValues
 
     manifest = out / "tasq.json"
     if not manifest.is_file():
         raise ValueError(f"layer mix {spec.name}: no artifact at {manifest} (--artifact {spec.mixed_artifact_name}=DIR)")
-    got = {**TaSQConfig().to_dict(), **json.loads(manifest.read_text())["config"]}
-    got = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items()}
-    bad = {k: (v, got.get(k)) for k, v in spec.expected_config().items() if got.get(k) != v}
-    if bad:
-        raise ValueError(f"artifact {manifest} does not fit layer mix {spec.name}: (want, has) {bad}")
+    check_config(manifest, spec, "layer mix")
     cb = load_artifact(out, model=fingerprint).codebooks
     return KVMethod(TaSQKeys(cb), TaSQValues(cb), spec.name), {spec.mixed_artifact_name: out}
 

@@ -289,7 +289,4 @@ class TaSQConfig:
         unknown = set(d) - known
         if unknown:
             raise ConfigError(f"unknown config fields {sorted(unknown)}")
-        d = dict(d)
-        if isinstance(d.get("mix_layers"), list):
-            d["mix_layers"] = tuple(d["mix_layers"])
         return cls(**d)

@@ -9,7 +9,7 @@ Per layer and token slot (``rows = size + page_size``; slot 0 absorbs padding wr
 - ``v_buffer[l]``: uint8 ``[rows, Bv]``: the packed value codes.
 
 With a per-layer key rate (``config.mix_layers``) ``Bk`` is the layer's own (``code_bytes_k_of[l]``,
-key groups ``gk_of[l]``, code bits ``bits_k_of[l]``); ``gk`` / ``code_bytes_k`` are the main rate's.
+key groups ``gk_of[l]``, code bits ``bits_k_of[l]``); ``code_bytes_k`` is the main rate's.
 
 SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 768 in bf16.
 
@@ -66,7 +66,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if self.codebooks.num_kv_heads != H or self.codebooks.head_dim != d:
             raise RuntimeError(f"tasq: this rank's pool holds {H} KV heads of {d} dims, its codebooks "
                                f"{self.codebooks.num_kv_heads} of {self.codebooks.head_dim}")
-        self.gk, self.gv = d // cfg.group_size_k, d // cfg.group_size_v
+        self.gv = d // cfg.group_size_v
         self.code_bytes_k, self.scale_bytes, self.code_bytes_v = packing.row_bytes(cfg, H, d)
         # per layer (a per-layer key rate, cfg.mix_layers, gives some layers other key groups and
         # code widths): key groups, key code bits, key code bytes of local layer lid

@@ -85,6 +85,10 @@ def mixed_artifact() -> Path:
 def test_per_layer_key_rate_served_answers_as_the_decode_view(tmp_path, mixed_artifact, smollm2_tokenizer):
     """``calibrate --mix-layers``: four layers' keys at 4 x 256 (8-bit codes, 16 groups) and 26 at
     8 x 1,024 in one pool, rows of two widths; keys 1.433 bits averaged over the layers."""
+    from sglang_tasq.artifact import load_artifact
+
+    cfg = load_artifact(mixed_artifact).config
+    assert cfg.mix_layers == (17, 18, 21, 23) and cfg.key_rate(17) == (4, 256) and cfg.key_rate(0) == (8, 1024)
     spec = parse(MIX)
     _served_as_decoded(tmp_path, MIX, ((spec.mixed_artifact_name, str(mixed_artifact)),), smollm2_tokenizer,
                        (1.4333, 1.25))

@@ -100,10 +100,9 @@ class Codebooks:
         if self.config.key_rope != "pre":
             return False
         L, H, d = self.k_perm.shape
-        sizes = {self.key_group_size(layer) for layer in range(L)} if self.layer_mixed else {self.config.group_size_k}
-        for g in sizes:
-            layers = [l for l in range(L) if self.key_group_size(l) == g] if self.layer_mixed else slice(None)
-            p = self.k_perm[layers].reshape(-1, d // g, g)
+        sizes = [self.key_group_size(layer) for layer in range(L)]
+        for g in set(sizes):
+            p = self.k_perm[[l for l in range(L) if sizes[l] == g]].reshape(-1, d // g, g)
             if not bool((p[..., g // 2:] == p[..., : g // 2] + d // 2).all()):
                 return False
         return True

@@ -169,8 +169,8 @@ class TaSQConfig:
         """Some layers' keys are coded at a second rate (``mix_layers``)."""
         return bool(self.mix_layers)
 
-    def key_rate(self, layer: int) -> tuple[int, int]:
-        """(group size, codebook size) of the keys of ``layer``."""
+    def key_rate(self, layer: int | None) -> tuple[int, int]:
+        """(group size, codebook size) of the keys of ``layer`` (None: the main rate)."""
         if layer in self.mix_layers:
             return self.mix_group_size_k, self.mix_codebook_size_k
         return self.group_size_k, self.codebook_size_k
@@ -183,7 +183,7 @@ class TaSQConfig:
         g, k = self.key_rate(layer)
         return dataclasses.replace(self, group_size_k=g, codebook_size_k=k, mix_layers=())
 
-    def code_bits_k_at(self, layer: int) -> int:
+    def code_bits_k_at(self, layer: int | None) -> int:
         return max(1, math.ceil(math.log2(self.key_rate(layer)[1])))
 
     def check_layers(self, num_layers: int) -> None:

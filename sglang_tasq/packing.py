@@ -37,10 +37,8 @@ def packed_row_bytes(num_codes: int, bits: int) -> int:
 def row_bytes(cfg, num_kv_heads: int, head_dim: int, layer: int | None = None) -> tuple[int, int, int]:
     """(key code bytes, key scale bytes, value code bytes) of one token in one layer (``layer``
     names it where the keys' rate is per layer, ``cfg.mix_layers``; None: the main rate)."""
-    g_k = cfg.group_size_k if layer is None else cfg.key_rate(layer)[0]
-    bits_k = cfg.code_bits_k if layer is None else cfg.code_bits_k_at(layer)
-    gk, gv = head_dim // g_k, head_dim // cfg.group_size_v
-    return (packed_row_bytes(num_kv_heads * gk, bits_k), 2 * scales_per_token(cfg, num_kv_heads),
+    gk, gv = head_dim // cfg.key_rate(layer)[0], head_dim // cfg.group_size_v
+    return (packed_row_bytes(num_kv_heads * gk, cfg.code_bits_k_at(layer)), 2 * scales_per_token(cfg, num_kv_heads),
             packed_row_bytes(num_kv_heads * gv, cfg.code_bits_v))
 
 
@@ -98,7 +96,4 @@ class Unpacker:
 
 def bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
     """A pool token slot's codes + scales over all layers (the exact window store is extra)."""
-    if getattr(cfg, "mix_layers", ()):
-        return sum(sum(row_bytes(cfg, num_kv_heads, head_dim, layer)) for layer in range(num_layers))
-    kc, ks, vc = row_bytes(cfg, num_kv_heads, head_dim)
-    return (kc + ks + vc) * num_layers
+    return sum(sum(row_bytes(cfg, num_kv_heads, head_dim, layer)) for layer in range(num_layers))

@@ -189,6 +189,18 @@ def parse(name: str):
                      "TaSQ like 'tasq_tp3'")
 
 
+def split_names(text: str) -> tuple:
+    """A comma list of method names -> the names. A layer mix carries commas of its own
+    (``tasq+tasq@g4k256/g8k1024@L17,18``), so a bare number after a mix joins that mix's layers."""
+    names = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        if part.isdigit() and names and _MIX.match(f"{names[-1]},{part}"):
+            names[-1] = f"{names[-1]},{part}"
+        else:
+            names.append(part)
+    return tuple(names)
+
+
 def parse_windows(setting: str) -> tuple[int, int]:
     """'none' -> (0, 0); '64+256' -> (64, 256)."""
     if setting == "none":

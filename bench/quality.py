@@ -273,7 +273,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
                            ("niah_tasks", a.niah_tasks, str), ("niah_methods", a.niah_methods, str),
                            ("pos_methods", a.pos_methods, str)):
         if val is not None:
-            kw[key] = _tuple(val, conv)
+            kw[key] = M.split_names(val) if key.endswith("methods") else _tuple(val, conv)
     arts = []
     for item in a.artifact:
         if "=" not in item:

@@ -227,6 +227,18 @@ def test_config_cli_and_folder_name():
         Q.QualityConfig(methods=("bf16", "nope"))
 
 
+def test_method_lists_keep_layer_mixes_whole():
+    from bench import quality as Q
+
+    mix = "tasq+tasq@g4k256/g8k1024@L17,18,21,23"
+    assert M.split_names(f"bf16,{mix},tasq") == ("bf16", mix, "tasq")
+    assert M.split_names(f"{mix}") == (mix,)
+    cfg, _ = Q.parse_args(["--methods", f"bf16,{mix}", "--niah-methods", mix, "--benches", "perplexity"])
+    assert cfg.methods == ("bf16", mix) and cfg.niah_methods == (mix,)
+    with pytest.raises(SystemExit, match="'18'"):  # a number that is no mix's layer is still refused
+        Q.parse_args(["--methods", "bf16,18"])
+
+
 def test_headline_only_from_perplexity_runs():
     from bench.quality import QualityConfig, replaces_headline
 

@@ -19,7 +19,7 @@ Names (``parse``):
 * rate points: ``cq@g4k256``, ``tasq@g8k16``, ... (group size g, codebook size K, both
   sides), or keys and values apart, ``tasq@g4k256/g8k512`` (keys / values); ``@g8k1024`` is
   the reference rate and reuses the plain ``cq``/``tasq`` artifact;
-* layer mixes (issue 14 item 2, :mod:`bench.retrieval` only): ``BASE+HI@L3,7,12`` codes layers 3, 7
+* layer mixes (issue 14 item 2; :mod:`bench.retrieval`, :mod:`bench.quality`, the server view): ``BASE+HI@L3,7,12`` codes layers 3, 7
   and 12 with method HI's artifact and every other layer with BASE's, e.g.
   ``tasq+tasq@g4k256/g8k1024@L3,7,12`` (both calibrated TaSQ methods of one model).
 

@@ -29,6 +29,14 @@ TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following 
             "memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
             "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?")
 ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+# Question first (issue 14's query-agnostic setting): the question comes before the haystack, and
+# nothing after the haystack names the queried key, so a selection made from the prompt's last
+# queries cannot see what is asked.
+TEMPLATE_FIRST = ("Some special magic {type_needle_v} are hidden within the following text. Read it, then "
+                  "answer this question: What are all the special magic {type_needle_v} for {query} "
+                  "mentioned in the provided text?\n{context}\nNow answer the question asked before the text.")
+ANSWER_PREFIX_FIRST = " The special magic {type_needle_v} asked for are"
+QUESTION_ORDERS = ("last", "first")
 
 
 @dataclass(frozen=True)
@@ -139,8 +147,13 @@ def _context(task: NIAHTask, num_haystack: int, needles: list, keys: list, rng: 
     return "\n".join(lines)
 
 
-def make_sample(task: NIAHTask, num_haystack: int, seed: int) -> dict:
-    """One sample: {'input', 'answer_prefix', 'outputs'} (same seed -> same needles)."""
+def make_sample(task: NIAHTask, num_haystack: int, seed: int, question: str = "last") -> dict:
+    """One sample: {'input', 'answer_prefix', 'outputs'} (same seed -> same needles).
+
+    question: "last" (RULER's order: the question after the haystack, the answer prefix naming the
+    key) or "first" (the question before the haystack; the same needles, haystack and key)."""
+    if question not in QUESTION_ORDERS:
+        raise ValueError(f"question order {question!r}: allowed {QUESTION_ORDERS}")
     rng = random.Random(seed)
     keys, values, needles = _needles(task, rng)
     context = _context(task, num_haystack, needles, keys, rng)
@@ -148,7 +161,8 @@ def make_sample(task: NIAHTask, num_haystack: int, seed: int) -> dict:
     queries = [keys[i] for i in picked]
     answers = [v for i in picked for v in values[i]]
     query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
-    template, type_v = TEMPLATE + "\n" + ANSWER_PREFIX, task.type_v
+    template = TEMPLATE + "\n" + ANSWER_PREFIX if question == "last" else TEMPLATE_FIRST + "\n" + ANSWER_PREFIX_FIRST
+    type_v = task.type_v
     if task.num_q * task.num_v == 1:  # one expected answer: singular wording
         template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
         type_v = type_v[:-1]
@@ -177,10 +191,10 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _max_haystack(task, tokenizer, length, fmt, seed) -> int:
+def _max_haystack(task, tokenizer, length, fmt, seed, question="last") -> int:
     """Largest haystack size (words for essays, lines otherwise) whose probe sample fits."""
     budget = length - TOKENS_TO_GENERATE
-    fits = lambda n: count_tokens(tokenizer, fmt(make_sample(task, n, seed))) <= budget  # noqa: E731
+    fits = lambda n: count_tokens(tokenizer, fmt(make_sample(task, n, seed, question))) <= budget  # noqa: E731
     lo, hi = 4, 64
     if not fits(lo):
         raise ValueError(f"target length {length} is too short for the {task} prompt")
@@ -193,30 +207,30 @@ def _max_haystack(task, tokenizer, length, fmt, seed) -> int:
 
 
 def generate_samples(task: str, tokenizer, length: int, n: int, seed: int = 42,
-                     formatter: Optional[Callable[[dict], str]] = None) -> list:
+                     formatter: Optional[Callable[[dict], str]] = None, question: str = "last") -> list:
     """``n`` samples of a RULER NIAH task sized so prompt + 128 tokens fit ``length``.
 
     Returns dicts: 'index', 'task', 'input', 'answer_prefix', 'prompt' (formatter output,
     default input + answer_prefix), 'outputs' (gold strings), 'length' (prompt tokens),
-    'max_new_tokens' (128). Sample i uses seed ``seed + i``; a sample that overflows
-    (longer needles) is regenerated with a smaller haystack.
+    'max_new_tokens' (128), 'question' (the order, :func:`make_sample`). Sample i uses seed
+    ``seed + i``; a sample that overflows (longer needles) is regenerated with a smaller haystack.
     """
     if task not in TASKS:
         raise ValueError(f"task {task!r}: allowed {sorted(TASKS)}")
     spec, fmt = TASKS[task], formatter or plain_formatter
-    num = _max_haystack(spec, tokenizer, length, fmt, seed)
+    num = _max_haystack(spec, tokenizer, length, fmt, seed, question)
     out = []
     for i in range(n):
         size = num
         while True:
-            s = make_sample(spec, size, seed + i)
+            s = make_sample(spec, size, seed + i, question)
             prompt = fmt(s)
             ntok = count_tokens(tokenizer, prompt)
             if ntok + TOKENS_TO_GENERATE <= length:
                 break
             size = max(1, size - max(1, size // 100))
         out.append({"index": i, "task": task, **s, "prompt": prompt, "length": ntok,
-                    "max_new_tokens": TOKENS_TO_GENERATE})
+                    "max_new_tokens": TOKENS_TO_GENERATE, "question": question})
     return out
 
 

@@ -10,7 +10,10 @@ A point is on the frontier at a length when no other point measured there has fe
 all-in and a higher NIAH (or equal NIAH at fewer bits). The target (``--share``, ``--max-bits``;
 the issue's 0.9 of bf16 at <= 1.6 bits) is met by a point whose every measured length reaches the
 share within the bits; the summary names the cheapest point meeting it, or says that none does.
-A point measured at fewer lengths than others is reported, but only judged on what it has::
+A point measured at fewer lengths than others is reported, but only judged on what it has. Points
+of the question-first prompts (``...:first``, :mod:`bench.retrieval`) are another workload: their
+share is of ``bf16:first``, their frontier is drawn among ``first`` points only, and the target gets
+one verdict per question order present::
 
     python -m bench.pareto --retrieval bench/results/retrieval/mix1k/smollm2-135m_default_n8_4e0064e2 \\
         bench/results/retrieval/len2k/smollm2-135m_default_n8_4e0064e2 \\
@@ -38,6 +41,16 @@ def _read(path: Path, what: str):
 
 def _method(point: str) -> str:
     return point.split(":", 1)[0]
+
+
+def question(point: str) -> str:
+    """The prompts a point was measured on: "first" (question before the haystack) or "last"."""
+    return "first" if point.endswith(":first") else "last"
+
+
+def _bf16(point: str) -> str:
+    """The bf16 point of the same prompts."""
+    return "bf16:first" if question(point) == "first" else "bf16"
 
 
 def _check_artifacts(seen: dict, ids: dict, where: Path) -> None:
@@ -94,13 +107,15 @@ def frontier(points: dict) -> set:
 def table(rows: dict, quality: dict, share: float, max_bits: float) -> tuple[list, str, str]:
     """(per-point records, the markdown table, the verdict line)."""
     lengths = sorted({length for _, length in rows})
-    def order(p):  # bf16 first, then by bits all-in at the shortest length the point was measured at
+    def order(p):  # question last first; bf16 first, then by bits all-in at the shortest length measured
         first = min(n for q, n in rows if q == p)
-        return p != "bf16", first, rows[(p, first)]["bits_all_in"], p
+        return question(p) == "first", p != _bf16(p), first, rows[(p, first)]["bits_all_in"], p
 
     names = sorted({p for p, _ in rows}, key=order)
-    fronts = {length: frontier({p: (r["bits_all_in"], r["niah"]["mean"]) for (p, n), r in rows.items() if n == length})
-              for length in lengths}
+    orders = sorted({question(p) for p in names}, key=("last", "first").index)
+    fronts = {(length, o): frontier({p: (r["bits_all_in"], r["niah"]["mean"]) for (p, n), r in rows.items()
+                                     if n == length and question(p) == o})
+              for length in lengths for o in orders}
     records = []
     for p in names:
         rec = {"point": p, "bits_codes": next(r["bits_codes"] for (q, _), r in rows.items() if q == p), "lengths": {}}
@@ -108,15 +123,17 @@ def table(rows: dict, quality: dict, share: float, max_bits: float) -> tuple[lis
             r = rows.get((p, length))
             if r is None:
                 continue
-            base = rows.get(("bf16", length))
+            base = rows.get((_bf16(p), length))
             sh = r["niah"]["mean"] / base["niah"]["mean"] if base and base["niah"]["mean"] > 0 else None
             rec["lengths"][length] = {"mean_length": r["mean_length"], "bits_all_in": r["bits_all_in"],
-                                      "niah": r["niah"], "share_of_bf16": sh, "frontier": p in fronts[length]}
+                                      "niah": r["niah"], "share_of_bf16": sh,
+                                      "frontier": p in fronts[(length, question(p))]}
         q = quality.get((_method(p), "none"))
         if q is not None:
             rec["ppl_none"], rec["logit_nmse_none"] = q["ppl_wiki"], q["logit_nmse"]
         at = rec["lengths"].values()
-        rec["meets"] = p != "bf16" and all(v["share_of_bf16"] is not None and v["share_of_bf16"] >= share
+        rec["question"] = question(p)
+        rec["meets"] = p != _bf16(p) and all(v["share_of_bf16"] is not None and v["share_of_bf16"] >= share
                                            and v["bits_all_in"] <= max_bits for v in at)
         records.append(rec)
     head = ("| point | bits K / V (codes) | "
@@ -130,22 +147,25 @@ def table(rows: dict, quality: dict, share: float, max_bits: float) -> tuple[lis
             if v is None:
                 cells.append("-")
                 continue
-            sh = "-" if v["share_of_bf16"] is None or rec["point"] == "bf16" else f"{v['share_of_bf16']:.2f}"
+            sh = "-" if v["share_of_bf16"] is None or rec["point"] == _bf16(rec["point"]) else f"{v['share_of_bf16']:.2f}"
             mark = "**" if v["frontier"] else ""
             cells.append(f"{v['bits_all_in']:.2f} / {mark}{stats.text(v['niah'])}{mark} ({sh})")
         ppl = f"{rec['ppl_none']:.2f}" if "ppl_none" in rec else "-"
         nmse = f"{rec['logit_nmse_none']:.4f}" if "logit_nmse_none" in rec else "-"
         bk, bv = rec["bits_codes"]
         body += f"| {rec['point']} | {bk:.3f} / {bv:.3f} | " + " | ".join(cells) + f" | {ppl} | {nmse} |\n"
-    met = [rec for rec in records if rec["meets"]]
-    if met:
-        best = min(met, key=lambda rec: max(v["bits_all_in"] for v in rec["lengths"].values()))
-        verdict = (f"Target (>= {share:.0%} of bf16 at <= {max_bits} bits all-in at every length measured): met by "
-                   f"{best['point']}.")
-    else:
-        verdict = (f"Target (>= {share:.0%} of bf16 at <= {max_bits} bits all-in at every length measured): met by "
-                   "no point; bold: the frontier at each length.")
-    return records, head + body, verdict
+    lines = []
+    for o in orders:
+        met = [rec for rec in records if rec["meets"] and rec["question"] == o]
+        what = f"Target (>= {share:.0%} of bf16 at <= {max_bits} bits all-in at every length measured)"
+        if len(orders) > 1:
+            what += f", question {o}"
+        if met:
+            best = min(met, key=lambda rec: max(v["bits_all_in"] for v in rec["lengths"].values()))
+            lines.append(f"{what}: met by {best['point']}.")
+        else:
+            lines.append(f"{what}: met by no point; bold: the frontier at each length.")
+    return records, head + body, "\n".join(lines)
 
 
 def main(argv=None) -> int:

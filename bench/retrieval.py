@@ -2,7 +2,7 @@
 (method, windows, salient tokens kept exact, where the question comes), each with its bits per
 element all-in at the prompt length measured.
 
-A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later]``:
+A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first]``:
 
 * ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...), layer
   mixes included (``tasq+tasq@g4k256/g8k1024@L3,7,12``: layers 3, 7, 12 at the 1.7 rate);
@@ -17,6 +17,11 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later]``:
 * ``later``: the prompt is read in two forwards, the context, then the question and the answer
   prefix; the selection sees only the context (the query-agnostic case: a question asked after
   the document, or in a later turn). Without salient tokens it equals the one-forward run.
+* ``first``: the question comes before the haystack (:data:`bench.niah.TEMPLATE_FIRST`: the same
+  needles, haystack and key; after the haystack only "Now answer the question asked before the
+  text." and an answer prefix that does not name the key), the other query-agnostic case: the
+  selection sees the question only through what the prompt's last tokens carry of it. Its share of
+  bf16 is against ``bf16:first``, the same prompts.
 
 Bits all-in, per element, averaged over keys and values at the measured mean prompt length T:
 the codes' bits (scales included) + the windows' 16-bit copies ``min(sink + recent, T) / T * 16``
@@ -25,7 +30,8 @@ the codes' bits (scales included) + the windows' 16-bit copies ``min(sink + rece
 Every (point, length) is one item JSON under the run folder, named by the model, preset, samples
 and tasks (resumable; several processes may fill one folder with different points; an artifact
 recalibrated since its items were made is refused, ``artifacts.json``). The summary pairs each point with a reference point
-(``--ref``, default ``tasq:64+256``) and with bf16 over the same samples (differences of
+(``--ref``, default ``tasq:64+256``; a ``first`` point with the reference's ``first`` point) and with bf16
+(``bf16:first`` for a ``first`` point) over the same samples (differences of
 per-sample scores, bootstrap stratified by task)::
 
     python -m bench.retrieval --lengths 1024 --samples 8 \\
@@ -48,7 +54,7 @@ from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
 _POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?)?"
-                    r"(?::(?P<q>later))?$")
+                    r"(?::(?P<q>later|first))?$")
 
 
 @dataclass(frozen=True)
@@ -60,26 +66,38 @@ class Point:
     later: bool = False
     shared: bool = False
     after: int | None = None
+    first: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET][:later], e.g. tasq:64+256:s32")
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET][:later|:first], "
+                             "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")
         if m["m"] == "bf16":
             sink = recent = 0
         after = None if m["a"] is None else int(m["a"])
-        return cls(m["m"], sink, recent, int(m["b"] or 0), bool(m["q"]), m["kind"] == "S", after)
+        return cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
+                   m["q"] == "first")
+
+    @property
+    def question(self) -> str:
+        """Where the prompt puts the question: "last" (RULER's order) or "first"."""
+        return "first" if self.first else "last"
+
+    @property
+    def order_suffix(self) -> str:
+        return ":later" if self.later else ":first" if self.first else ""
 
     @property
     def name(self) -> str:
         if self.method == "bf16":
-            return "bf16" + (":later" if self.later else "")
+            return "bf16" + self.order_suffix
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
         return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"a{self.after}" if self.after is not None else "")
-                if self.budget else "") + (":later" if self.later else "")
+                if self.budget else "") + self.order_suffix
 
     @property
     def slug(self) -> str:
@@ -119,7 +137,7 @@ def evaluate(model, tok, method, point: Point, length: int, n: int, tasks=tuple(
     t0, scores, preds, lengths = time.time(), {}, [], []
     for task in tasks:
         outs = []
-        for s in _samples(tok, task, length, n):
+        for s in _samples(tok, task, length, n, point.question):
             split = question_split(tok, s) if point.later else None
             outs.append(greedy(model, tok, s["prompt"], method, point.sink, point.recent, s["outputs"],
                                token_cap(s, max_new), "decode", salient=point.salient(), split=split))
@@ -162,12 +180,13 @@ def summarize(items: dict, bits: dict, head_dim: int, ref: str) -> tuple[list, s
                "bits_codes": bits[point.method],
                "bits_all_in": bits_all_in(point, bits[point.method], item["mean_length"], head_dim),
                "niah": vars(stats.stratified_interval(_by_task(s))), "tasks": item["tasks"]}
-        base = items.get(("bf16", length))
-        if base is not None and name != "bf16":
+        same = ":first" if point.first else ""  # question-first points pair with question-first prompts
+        base = items.get(("bf16" + same, length))
+        if base is not None and name != "bf16" + same:
             row["vs_bf16"] = paired(per_sample(base), s)
             row["share_of_bf16"] = round(row["niah"]["mean"] / max(base["avg"], 1e-9), 3)
-        r = items.get((ref, length))
-        if r is not None and name != ref:
+        r = items.get((ref + same, length))
+        if r is not None and name != ref + same:
             row["vs_ref"] = paired(per_sample(r), s)
         rows.append(row)
     head = ("| length | point | bits K / V (codes) | bits all-in | NIAH [95%] | share of bf16 | - bf16 | - "
@@ -204,7 +223,7 @@ def check_artifacts(run_dir: Path, ids: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN]][:later] ... (see the module docstring)")
+    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first] ... (see the module docstring)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--samples", type=int, default=8, help="per task (>= 8 for an interval worth reading)")
     ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))

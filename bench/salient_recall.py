@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             if not path.is_file():
                 t0 = time.time()
                 recs = [selection(model, tok, built[p.method], p, s) for task in a.tasks
-                        for s in _samples(tok, task, length, a.samples)]
+                        for s in _samples(tok, task, length, a.samples, p.question)]
                 write_json(path, {"point": p.name, "length": length, "samples": recs,
                                   "seconds": round(time.time() - t0, 1)})
     rows = []

@@ -92,3 +92,34 @@ def test_sizes_fit_4k_plain(smollm2_tokenizer):
     (s,) = generate_samples("niah_single_2", smollm2_tokenizer, 4096, 1)
     assert s["prompt"] == s["input"] + s["answer_prefix"]
     assert 0.95 * (4096 - 128) <= s["length"] <= 4096 - 128
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_multiquery"])
+def test_question_first_moves_only_the_question(task):
+    """Question first: the same needles, haystack and key; the question before the haystack and
+    nothing after it that names the key (what a selection from the last queries reads)."""
+    last = make_sample(TASKS[task], 40, seed=5)
+    first = make_sample(TASKS[task], 40, seed=5, question="first")
+    assert first["outputs"] == last["outputs"]
+    q_last = last["input"].rsplit("\n", 1)[1]
+    context = last["input"].split("\n", 1)[1].rsplit("\n", 1)[0]
+    head, body = first["input"].split("\n", 1)
+    assert body == context + "\nNow answer the question asked before the text."
+    key = re.search(r" for (.+) mentioned in the provided text\?$", q_last).group(1)
+    assert head.endswith(f"answer this question: {q_last}") and key in head
+    tail = body[len(context):] + first["answer_prefix"]
+    assert not any(k in tail for k in re.split(r", and |, ", key))
+    singular = TASKS[task].num_q * TASKS[task].num_v == 1
+    assert first["answer_prefix"] == (" The special magic number asked for is" if singular
+                                      else " The special magic numbers asked for are")
+    with pytest.raises(ValueError, match="question order"):
+        make_sample(TASKS[task], 40, seed=5, question="middle")
+
+
+def test_question_first_samples_fit_and_say_their_order(smollm2_tokenizer):
+    fmt = niah.chat_formatter(smollm2_tokenizer)
+    (s,) = generate_samples("niah_multikey_2", smollm2_tokenizer, 1024, 1, formatter=fmt, question="first")
+    (r,) = generate_samples("niah_multikey_2", smollm2_tokenizer, 1024, 1, formatter=fmt)
+    assert (s["question"], r["question"]) == ("first", "last") and s["outputs"] == r["outputs"]
+    assert s["length"] + niah.TOKENS_TO_GENERATE <= 1024 and s["length"] >= 0.85 * (1024 - niah.TOKENS_TO_GENERATE)
+    assert s["prompt"].endswith("<|im_start|>assistant\n" + s["answer_prefix"].lstrip())

@@ -94,3 +94,20 @@ def test_runs_of_other_samples_fits_or_results_are_refused(tmp_path, capsys):
     saved = json.loads((out / "pareto.json").read_text())
     assert [p["point"] for p in saved["points"]] == ["bf16"] and set(saved["points"][0]["lengths"]) == {"1024", "4096"}
     assert (out / "summary.md").read_text().startswith("# NIAH against bits all-in, m,")
+
+
+def test_question_first_points_are_judged_against_their_own_prompts(tmp_path):
+    run = _run(tmp_path, "1k", [_row("bf16", 1024, 80, 16), _row("a", 1024, 40, 1.5), _row("bf16:first", 1024, 40, 16),
+                                _row("a:first", 1024, 38, 1.5), _row("b:first", 1024, 20, 1.2)])
+    rows, _, _ = pareto.load_retrieval([run])
+    records, md, verdict = pareto.table(rows, {}, share=0.9, max_bits=1.6)
+    by = {r["point"]: r for r in records}
+    assert by["a:first"]["lengths"][1024]["share_of_bf16"] == pytest.approx(0.95)  # of bf16:first, not bf16
+    assert by["a:first"]["meets"] and not by["a"]["meets"] and not by["bf16:first"]["meets"]
+    # each order has its own frontier: a (1.5 bits, 40) is not dominated by a:first or b:first
+    assert by["a"]["lengths"][1024]["frontier"] and by["b:first"]["lengths"][1024]["frontier"]
+    assert verdict.splitlines() == [
+        "Target (>= 90% of bf16 at <= 1.6 bits all-in at every length measured), question last: met by no point; "
+        "bold: the frontier at each length.",
+        "Target (>= 90% of bf16 at <= 1.6 bits all-in at every length measured), question first: met by a:first."]
+    assert [r["point"] for r in records] == ["bf16", "a", "bf16:first", "b:first", "a:first"]

@@ -208,7 +208,12 @@ def test_points_parse_and_bits():
     assert p.name == "tasq:64+256:s32:later" and R.Point.parse(p.name) == p
     assert R.Point.parse("tasq").name == "tasq:64+256" and R.Point.parse("tasq@g4k64:none").name == "tasq@g4k64:none"
     assert R.Point.parse("bf16:16+64").name == "bf16"
-    for bad in ("tasq:64", "tasq:s", "nosuch:64+256", "tasq:64+256:later:s3"):
+    f = R.Point.parse("tasq:64+256:S64a12:first")
+    assert f.first and not f.later and f.question == "first" and f.name == "tasq:64+256:S64a12:first"
+    assert R.Point.parse("bf16:first").name == "bf16:first" and R.Point.parse("tasq").question == "last"
+    assert f.slug != a.slug and R.Point.parse(f.name) == f
+    for bad in ("tasq:64", "tasq:s", "nosuch:64+256", "tasq:64+256:later:s3", "tasq:64+256:later:first",
+                "tasq:first:s3"):
         with pytest.raises(ValueError):
             R.Point.parse(bad)
     assert R.bits_all_in(R.Point.parse("bf16"), (16, 16), 1000, 64) == 16.0
@@ -233,6 +238,16 @@ def test_summary_pairs_points_over_the_same_samples():
     assert by["tasq:64+256:s8"]["vs_ref"]["mean"] == pytest.approx(25.0)
     assert by["tasq:64+256:s8"]["vs_bf16"]["mean"] == pytest.approx(-25.0)
     assert "vs_ref" not in by["tasq:64+256"] and "| tasq:64+256:s8 |" in md
+    # question-first points pair with bf16:first and the reference's first point, never across orders
+    items[("bf16:first", 1024)] = item("bf16:first", {k: int(k[0] == "a") for k in keys})
+    items[("tasq:64+256:first", 1024)] = item("tasq:64+256:first", dict.fromkeys(keys, 0))
+    items[("tasq:64+256:s8:first", 1024)] = item("tasq:64+256:s8:first", {k: int(k[1] == 0) for k in keys})
+    by = {r["point"]: r for r in R.summarize(items, {"bf16": (16, 16), "tasq": (1.333, 1.25)}, 64, "tasq:64+256")[0]}
+    assert by["tasq:64+256:s8:first"]["share_of_bf16"] == 0.5  # 25 of bf16:first's 50, not of bf16's 100
+    assert by["tasq:64+256:s8:first"]["vs_ref"]["mean"] == pytest.approx(25.0)
+    assert by["tasq:64+256:s8:first"]["vs_bf16"]["mean"] == pytest.approx(-25.0)
+    assert "vs_bf16" not in by["bf16:first"] and "vs_ref" not in by["tasq:64+256:first"]
+    assert by["tasq:64+256:s8"]["share_of_bf16"] == 0.75  # the question-last rows are unchanged
 
 
 def test_cli_refuses_bad_points_before_loading_anything(capsys):

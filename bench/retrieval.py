@@ -21,7 +21,8 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first]``:
   needles, haystack and key; after the haystack only "Now answer the question asked before the
   text." and an answer prefix that does not name the key), the other query-agnostic case: the
   selection sees the question only through what the prompt's last tokens carry of it. Its share of
-  bf16 is against ``bf16:first``, the same prompts.
+  bf16 is against ``bf16:first``, the same prompts; ``first - last`` pairs it with the same point on
+  the question-last prompts (the same needles, haystacks and keys, sample by sample).
 
 Bits all-in, per element, averaged over keys and values at the measured mean prompt length T:
 the codes' bits (scales included) + the windows' 16-bit copies ``min(sink + recent, T) / T * 16``
@@ -188,13 +189,17 @@ def summarize(items: dict, bits: dict, head_dim: int, ref: str) -> tuple[list, s
         r = items.get((ref + same, length))
         if r is not None and name != ref + same:
             row["vs_ref"] = paired(per_sample(r), s)
+        last = items.get((name[:-len(":first")], length)) if point.first else None
+        if last is not None:  # the same needles, haystack and key with the question last
+            row["vs_last"] = paired(per_sample(last), s)
         rows.append(row)
     head = ("| length | point | bits K / V (codes) | bits all-in | NIAH [95%] | share of bf16 | - bf16 | - "
-            f"{ref} |\n|---|---|---|---|---|---|---|---|\n")
+            f"{ref} | first - last |\n|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['length']} (mean {r['mean_length']:.0f}) | {r['point']} | {r['bits_codes'][0]:.3f} / {r['bits_codes'][1]:.3f} "
         f"| {r['bits_all_in']:.2f} | {stats.text(r['niah'])} | {r.get('share_of_bf16', '-')} "
-        f"| {stats.text(r['vs_bf16']) if 'vs_bf16' in r else '-'} | {stats.text(r['vs_ref']) if 'vs_ref' in r else '-'} |\n"
+        f"| {stats.text(r['vs_bf16']) if 'vs_bf16' in r else '-'} | {stats.text(r['vs_ref']) if 'vs_ref' in r else '-'} "
+        f"| {stats.text(r['vs_last']) if 'vs_last' in r else '-'} |\n"
         for r in rows)
     return rows, head + body
 

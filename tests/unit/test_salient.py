@@ -248,6 +248,8 @@ def test_summary_pairs_points_over_the_same_samples():
     assert by["tasq:64+256:s8:first"]["vs_bf16"]["mean"] == pytest.approx(-25.0)
     assert "vs_bf16" not in by["bf16:first"] and "vs_ref" not in by["tasq:64+256:first"]
     assert by["tasq:64+256:s8"]["share_of_bf16"] == 0.75  # the question-last rows are unchanged
+    assert by["tasq:64+256:s8:first"]["vs_last"]["mean"] == pytest.approx(-50.0)  # 0.25 - 0.75, sample by sample
+    assert by["bf16:first"]["vs_last"]["mean"] == pytest.approx(-50.0) and "vs_last" not in by["tasq:64+256:s8"]
 
 
 def test_cli_refuses_bad_points_before_loading_anything(capsys):

@@ -290,9 +290,16 @@ def main(argv=None) -> int:
     for path in sorted((run_dir / "items").glob("*.json")):  # every point any process put here
         item = json.loads(path.read_text())
         items[(item["point"], item["length"])] = item
-        if Point.parse(item["point"]).method not in bits:
+        if Point.parse(item["point"]).method not in bits:  # another process's point: its bits, its fit checked
             spec = M.parse(Point.parse(item["point"]).method)
-            bits[spec.name] = M.bits(M.prepare(spec, a.model, a.preset, Path(a.artifact_root), overrides, fp)[0], H, d)
+            other, arts = M.prepare(spec, a.model, a.preset, Path(a.artifact_root), overrides, fp)
+            bits[spec.name] = M.bits(other, H, d)
+            try:
+                check_artifacts(run_dir, {n: json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
+                                          for n, art in arts.items()})
+            except ValueError as e:
+                print(f"bench.retrieval: {e}", file=sys.stderr)
+                return 2
     rows, md = summarize(items, bits, d, Point.parse(a.ref).name)
     write_json(run_dir / "summary.json", rows)
     (run_dir / "summary.md").write_text(

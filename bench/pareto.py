@@ -105,7 +105,7 @@ def frontier(points: dict) -> set:
 
 
 def table(rows: dict, quality: dict, share: float, max_bits: float) -> tuple[list, str, str]:
-    """(per-point records, the markdown table, the verdict line)."""
+    """(per-point records, the markdown table, the verdict: one line per question order present)."""
     lengths = sorted({length for _, length in rows})
     def order(p):  # question last first; bf16 first, then by bits all-in at the shortest length measured
         first = min(n for q, n in rows if q == p)

@@ -276,6 +276,11 @@ def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None, r
     return KVMethod(TaSQKeys(cb) if spec.keys else Identity(), TaSQValues(cb) if spec.values else Identity(), spec.name)
 
 
+def artifact_sha(art: Path) -> str:
+    """The sha256 of an artifact's tensors, as its ``tasq.json`` records it (what run folders pin)."""
+    return json.loads((Path(art) / "tasq.json").read_text())["tensors"]["sha256"]
+
+
 def prepare(spec, model: str, preset: str, root: Path, overrides: Optional[dict] = None, fingerprint=None,
             log=print) -> tuple:
     """(the KVMethod of ``spec``, {artifact name: artifact dir} it reads), calibrating what is missing.

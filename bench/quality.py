@@ -138,14 +138,14 @@ def build_context(cfg: QualityConfig, run_dir: Path, log=print, model=None, tok=
         if isinstance(spec, M.MixSpec):  # a layer mix: its two artifacts, or its one mixed artifact
             built[name], arts = M.prepare(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, fp, log)
             bits[name] = M.bits(built[name], H, d)
-            ids.update({n: json.loads((a / "tasq.json").read_text())["tensors"]["sha256"] for n, a in arts.items()})
+            ids.update({n: M.artifact_sha(a) for n, a in arts.items()})
             continue
         art = M.ensure_artifact(spec, cfg.model, cfg.preset, Path(cfg.artifact_root), overrides, log)
         rope = rope_inv_freq(model) if spec.closed_form in M.NSN_METHODS else None  # NSNQuant's keys
         built[name] = M.build(spec, art, fp, rope=rope)
         bits[name] = M.bits(built[name], H, d)
         if art is not None:
-            ids[spec.artifact_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
+            ids[spec.artifact_name] = M.artifact_sha(art)
     return Context(cfg, model, tok, {m: built[m] for m in cfg.methods}, {m: built[m] for m in sweep_names},
                    bits, run_dir, log, ids)
 

@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         built[name], arts = M.prepare(M.parse(name), a.model, a.preset, Path(a.artifact_root), overrides, fp)
         bits[name] = M.bits(built[name], H, d)
         for art_name, art in arts.items():
-            ids[art_name] = json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
+            ids[art_name] = M.artifact_sha(art)
     dtype = dtype_name(model.dtype)
     run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, a.max_new, dtype)
     try:
@@ -295,8 +295,7 @@ def main(argv=None) -> int:
             other, arts = M.prepare(spec, a.model, a.preset, Path(a.artifact_root), overrides, fp)
             bits[spec.name] = M.bits(other, H, d)
             try:
-                check_artifacts(run_dir, {n: json.loads((art / "tasq.json").read_text())["tensors"]["sha256"]
-                                          for n, art in arts.items()})
+                check_artifacts(run_dir, {n: M.artifact_sha(art) for n, art in arts.items()})
             except ValueError as e:
                 print(f"bench.retrieval: {e}", file=sys.stderr)
                 return 2

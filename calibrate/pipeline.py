@@ -132,6 +132,8 @@ def run(model: str, cfg: TaSQConfig, corpus: str = "wiki", progress: bool = True
     res.times = {**prep.times, **res.times, "total": round(time.time() - t0, 2)}
     res.calibration["wall_time_s"] = res.times["total"]
     res.calibration["stage_times_s"] = dict(res.times)
+    if dev.type == "cuda":  # what a user's GPU must hold: the model, a window's activations, k-means
+        res.calibration["peak_device_memory_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
     return res
 
 

@@ -1,0 +1,123 @@
+"""``python -m bench.compare_runs``: one retrieval point of two :mod:`bench.retrieval` run folders,
+paired sample by sample: two fits, two code versions of the calibration, two hosts.
+
+A run folder holds one artifact per name (``artifacts.json``), so two fits of the same method (the
+artifact before and after a calibration change) live in two folders. Their items are the same
+samples when the workload is the same (model, preset, samples per task, tasks, token cap, model
+dtype: :data:`bench.pareto.SAME_WORKLOAD`) and every sample's gold answers agree; this checks both,
+then reports each side's NIAH [95%] and ``B - A`` paired per sample (bootstrap stratified by task,
+:func:`bench.retrieval.paired`), per length, with the artifacts' sha256 (which must differ, or the
+two folders measured one fit)::
+
+    python -m bench.compare_runs --a before=bench/results/retrieval/issue13_before/RUN \\
+        --b after=bench/results/retrieval/issue13_after/RUN --point tasq:64+256 --lengths 2048 4096 \\
+        --out bench/results/retrieval/issue13_before_after.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import stats
+from .pareto import SAME_WORKLOAD
+from .retrieval import Point, _by_task, paired, per_sample
+
+
+def _side(text: str) -> tuple[str, Path]:
+    label, sep, path = text.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: LABEL=RUN_DIR, e.g. before=bench/results/retrieval/x/RUN")
+    return label, Path(path)
+
+
+def _config(run: Path) -> dict:
+    path = run / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{run}: no config.json (not a bench.retrieval run folder)")
+    cfg = json.loads(path.read_text())
+    work = {k: cfg.get(k) for k in SAME_WORKLOAD}
+    work["model_dtype"] = work["model_dtype"] or "bfloat16"  # runs before the field were bf16
+    return work
+
+
+def _item(run: Path, point: Point, length: int) -> dict:
+    path = run / "items" / f"{point.slug}__{length}.json"
+    if not path.is_file():
+        raise ValueError(f"{run}: no item for {point.name} at {length} tokens ({path.name})")
+    return json.loads(path.read_text())
+
+
+def compare(a: tuple[str, Path], b: tuple[str, Path], point: str, lengths) -> list[dict]:
+    """Rows {length, a, b, b_minus_a, n} for ``point`` in both run folders (ValueError when they
+    are not the same workload, their samples' gold answers differ, or an item is missing)."""
+    (la, ra), (lb, rb) = a, b
+    ca, cb = _config(ra), _config(rb)
+    if ca != cb:
+        raise ValueError(f"{ra} and {rb} are different workloads (field: (A, B)) "
+                         f"{ {k: (ca[k], cb[k]) for k in SAME_WORKLOAD if ca[k] != cb[k]} }")
+    p = Point.parse(point)
+    rows = []
+    for length in lengths:
+        ia, ib = _item(ra, p, length), _item(rb, p, length)
+        gold_a = {(s["task"], s["index"]): s["gold"] for s in ia["preds"]}
+        gold_b = {(s["task"], s["index"]): s["gold"] for s in ib["preds"]}
+        if gold_a != gold_b:
+            raise ValueError(f"{p.name} at {length}: the two folders' samples differ (gold answers)")
+        sa, sb = per_sample(ia), per_sample(ib)
+        rows.append({"length": length, "mean_length": round(ia["mean_length"], 1), "n": len(sa),
+                     la: vars(stats.stratified_interval(_by_task(sa))),
+                     lb: vars(stats.stratified_interval(_by_task(sb))),
+                     "b_minus_a": paired(sa, sb),
+                     "b_up": sum(sb[k] > sa[k] for k in sa),
+                     "b_down": sum(sb[k] < sa[k] for k in sa)})
+    return rows
+
+
+def _shas(run: Path) -> dict:
+    path = run / "artifacts.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def markdown(a, b, point: str, rows: list) -> str:
+    (la, ra), (lb, rb) = a, b
+    head = [f"# {point}: {lb} against {la}, paired per sample", "",
+            f"- {la}: `{ra}` (artifacts {', '.join(f'{k} {v[:12]}' for k, v in _shas(ra).items()) or '-'})",
+            f"- {lb}: `{rb}` (artifacts {', '.join(f'{k} {v[:12]}' for k, v in _shas(rb).items()) or '-'})",
+            f"- Intervals: {stats.DESCRIPTION}, stratified by task.", "",
+            f"| length (mean prompt) | samples | {la} NIAH [95%] | {lb} NIAH [95%] | {lb} - {la} [95%] | answers up / down |",
+            "|---|---|---|---|---|---|"]
+    body = [f"| {r['length']} ({r['mean_length']:.0f}) | {r['n']} | {stats.text(r[la])} | {stats.text(r[lb])} "
+            f"| {stats.text(r['b_minus_a'])} | {r['b_up']} / {r['b_down']} |" for r in rows]
+    return "\n".join(head + body) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.compare_runs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--a", type=_side, required=True, metavar="LABEL=RUN_DIR")
+    ap.add_argument("--b", type=_side, required=True, metavar="LABEL=RUN_DIR")
+    ap.add_argument("--point", default="tasq:64+256")
+    ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
+    ap.add_argument("--out", help="also write the markdown table (and FILE.json) here")
+    a = ap.parse_args(argv)
+    if a.a[0] == a.b[0]:
+        print("bench.compare_runs: the two sides need different labels", file=sys.stderr)
+        return 2
+    try:
+        rows = compare(a.a, a.b, a.point, a.lengths)
+    except ValueError as e:
+        print(f"bench.compare_runs: {e}", file=sys.stderr)
+        return 2
+    md = markdown(a.a, a.b, a.point, rows)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(md)
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

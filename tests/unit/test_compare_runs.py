@@ -1,0 +1,45 @@
+"""``bench.compare_runs``: one point of two retrieval run folders, paired sample by sample, and
+refused when the folders do not hold the same samples."""
+import json
+
+import pytest
+
+from bench import compare_runs as cr
+
+CONFIG = {"model": "smollm2-135m", "preset": "default", "samples": 2, "tasks": ["niah_single_1", "niah_multikey_1"],
+          "max_new": None, "model_dtype": "bfloat16"}
+
+
+def _run(tmp_path, name, hits, config=CONFIG, gold="7"):
+    """A run folder whose tasq:64+256 item at 1024 answers sample i right where hits[i]."""
+    run = tmp_path / name
+    (run / "items").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(config))
+    (run / "artifacts.json").write_text(json.dumps({"tasq": name * 8}))
+    keys = [(t, i) for t in CONFIG["tasks"] for i in range(2)]
+    preds = [{"task": t, "index": i, "length": 900, "gold": [f"{gold}{t}{i}"],
+              "pred": f"{gold}{t}{i}" if hit else "no"} for (t, i), hit in zip(keys, hits)]
+    (run / "items" / "tasq_64_256__1024.json").write_text(json.dumps(
+        {"point": "tasq:64+256", "length": 1024, "mean_length": 900.0, "preds": preds}))
+    return run
+
+
+def test_paired_difference_counts_each_sample_once(tmp_path):
+    a = ("before", _run(tmp_path, "a", [1, 0, 0, 0]))
+    b = ("after", _run(tmp_path, "b", [1, 1, 1, 0]))
+    (row,) = cr.compare(a, b, "tasq:64+256", [1024])
+    assert row["before"]["mean"] == 25.0 and row["after"]["mean"] == 75.0  # mean over tasks of task means
+    assert row["b_minus_a"]["mean"] == 50.0 and (row["b_up"], row["b_down"], row["n"]) == (2, 0, 4)
+    md = cr.markdown(a, b, "tasq:64+256", [row])
+    assert "| 1024 (900) | 4 | 25.0" in md and "after - before" in md
+
+
+def test_other_samples_or_workloads_are_refused(tmp_path):
+    a = ("a", _run(tmp_path, "a", [1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="samples differ"):
+        cr.compare(a, ("b", _run(tmp_path, "b", [1, 1, 1, 1], gold="8")), "tasq:64+256", [1024])
+    with pytest.raises(ValueError, match=r"different workloads .*'samples': \(2, 8\)"):
+        cr.compare(a, ("c", _run(tmp_path, "c", [1, 1, 1, 1], config={**CONFIG, "samples": 8})), "tasq:64+256", [1024])
+    with pytest.raises(ValueError, match="no item for tasq:64\\+256 at 2048"):
+        cr.compare(a, ("d", _run(tmp_path, "d", [1, 1, 1, 1])), "tasq:64+256", [2048])
+    assert cr.main(["--a", "x=" + str(a[1]), "--b", "x=" + str(a[1])]) == 2  # one label for both sides

@@ -1,5 +1,7 @@
 """``python -m bench.compare_runs``: one retrieval point of two :mod:`bench.retrieval` run folders,
-paired sample by sample: two fits, two code versions of the calibration, two hosts.
+paired sample by sample: two fits, two code versions of the calibration, two hosts; or two points
+kept in different folders (``--point-b``: e.g. a question-first point against its question-last one,
+whose samples hold the same needles, haystacks and keys).
 
 A run folder holds one artifact per name (``artifacts.json``), so two fits of the same method (the
 artifact before and after a calibration change) live in two folders. Their items are the same
@@ -49,22 +51,23 @@ def _item(run: Path, point: Point, length: int) -> dict:
     return json.loads(path.read_text())
 
 
-def compare(a: tuple[str, Path], b: tuple[str, Path], point: str, lengths) -> list[dict]:
-    """Rows {length, a, b, b_minus_a, n} for ``point`` in both run folders (ValueError when they
-    are not the same workload, their samples' gold answers differ, or an item is missing)."""
+def compare(a: tuple[str, Path], b: tuple[str, Path], point: str, lengths, point_b: str | None = None) -> list[dict]:
+    """Rows {length, a, b, b_minus_a, n} for ``point`` in A's run folder and ``point_b`` (default: the
+    same point) in B's (ValueError when they are not the same workload, their samples' gold answers
+    differ, or an item is missing)."""
     (la, ra), (lb, rb) = a, b
     ca, cb = _config(ra), _config(rb)
     if ca != cb:
         raise ValueError(f"{ra} and {rb} are different workloads (field: (A, B)) "
                          f"{ {k: (ca[k], cb[k]) for k in SAME_WORKLOAD if ca[k] != cb[k]} }")
-    p = Point.parse(point)
+    p, pb = Point.parse(point), Point.parse(point_b or point)
     rows = []
     for length in lengths:
-        ia, ib = _item(ra, p, length), _item(rb, p, length)
+        ia, ib = _item(ra, p, length), _item(rb, pb, length)
         gold_a = {(s["task"], s["index"]): s["gold"] for s in ia["preds"]}
         gold_b = {(s["task"], s["index"]): s["gold"] for s in ib["preds"]}
         if gold_a != gold_b:
-            raise ValueError(f"{p.name} at {length}: the two folders' samples differ (gold answers)")
+            raise ValueError(f"{p.name} / {pb.name} at {length}: the two items' samples differ (gold answers)")
         sa, sb = per_sample(ia), per_sample(ib)
         rows.append({"length": length, "mean_length": round(ia["mean_length"], 1), "n": len(sa),
                      la: vars(stats.stratified_interval(_by_task(sa))),
@@ -80,9 +83,10 @@ def _shas(run: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def markdown(a, b, point: str, rows: list) -> str:
+def markdown(a, b, point: str, rows: list, point_b: str | None = None) -> str:
     (la, ra), (lb, rb) = a, b
-    head = [f"# {point}: {lb} against {la}, paired per sample", "",
+    what = point if point_b in (None, point) else f"{point} ({la}) and {point_b} ({lb})"
+    head = [f"# {what}: {lb} against {la}, paired per sample", "",
             f"- {la}: `{ra}` (artifacts {', '.join(f'{k} {v[:12]}' for k, v in _shas(ra).items()) or '-'})",
             f"- {lb}: `{rb}` (artifacts {', '.join(f'{k} {v[:12]}' for k, v in _shas(rb).items()) or '-'})",
             f"- Intervals: {stats.DESCRIPTION}, stratified by task.", "",
@@ -98,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--a", type=_side, required=True, metavar="LABEL=RUN_DIR")
     ap.add_argument("--b", type=_side, required=True, metavar="LABEL=RUN_DIR")
     ap.add_argument("--point", default="tasq:64+256")
+    ap.add_argument("--point-b", help="B's point, when it is not --point (the same samples, another point)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--out", help="also write the markdown table (and FILE.json) here")
     a = ap.parse_args(argv)
@@ -105,11 +110,11 @@ def main(argv=None) -> int:
         print("bench.compare_runs: the two sides need different labels", file=sys.stderr)
         return 2
     try:
-        rows = compare(a.a, a.b, a.point, a.lengths)
+        rows = compare(a.a, a.b, a.point, a.lengths, a.point_b)
     except ValueError as e:
         print(f"bench.compare_runs: {e}", file=sys.stderr)
         return 2
-    md = markdown(a.a, a.b, a.point, rows)
+    md = markdown(a.a, a.b, a.point, rows, a.point_b)
     print(md)
     if a.out:
         out = Path(a.out)

@@ -10,8 +10,10 @@ CONFIG = {"model": "smollm2-135m", "preset": "default", "samples": 2, "tasks": [
           "max_new": None, "model_dtype": "bfloat16"}
 
 
-def _run(tmp_path, name, hits, config=CONFIG, gold="7"):
-    """A run folder whose tasq:64+256 item at 1024 answers sample i right where hits[i]."""
+def _run(tmp_path, name, hits, config=CONFIG, gold="7", point="tasq:64+256"):
+    """A run folder whose ``point`` item at 1024 answers sample i right where hits[i]."""
+    from bench.retrieval import Point
+
     run = tmp_path / name
     (run / "items").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(config))
@@ -19,8 +21,8 @@ def _run(tmp_path, name, hits, config=CONFIG, gold="7"):
     keys = [(t, i) for t in CONFIG["tasks"] for i in range(2)]
     preds = [{"task": t, "index": i, "length": 900, "gold": [f"{gold}{t}{i}"],
               "pred": f"{gold}{t}{i}" if hit else "no"} for (t, i), hit in zip(keys, hits)]
-    (run / "items" / "tasq_64_256__1024.json").write_text(json.dumps(
-        {"point": "tasq:64+256", "length": 1024, "mean_length": 900.0, "preds": preds}))
+    (run / "items" / f"{Point.parse(point).slug}__1024.json").write_text(json.dumps(
+        {"point": point, "length": 1024, "mean_length": 900.0, "preds": preds}))
     return run
 
 
@@ -43,3 +45,14 @@ def test_other_samples_or_workloads_are_refused(tmp_path):
     with pytest.raises(ValueError, match="no item for tasq:64\\+256 at 2048"):
         cr.compare(a, ("d", _run(tmp_path, "d", [1, 1, 1, 1])), "tasq:64+256", [2048])
     assert cr.main(["--a", "x=" + str(a[1]), "--b", "x=" + str(a[1])]) == 2  # one label for both sides
+
+
+def test_two_points_of_the_same_samples_pair_across_folders(tmp_path):
+    last = ("last", _run(tmp_path, "a", [1, 1, 1, 0]))
+    first = ("first", _run(tmp_path, "b", [1, 0, 1, 0], point="tasq:64+256:first"))
+    (row,) = cr.compare(last, first, "tasq:64+256", [1024], point_b="tasq:64+256:first")
+    assert row["b_minus_a"]["mean"] == -25.0 and (row["b_up"], row["b_down"]) == (0, 1)
+    assert "tasq:64+256 (last) and tasq:64+256:first (first)" in cr.markdown(last, first, "tasq:64+256", [row],
+                                                                              "tasq:64+256:first")
+    with pytest.raises(ValueError, match="no item for tasq:64\\+256:first"):
+        cr.compare(last, last, "tasq:64+256", [1024], point_b="tasq:64+256:first")

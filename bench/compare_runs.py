@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from . import stats
-from .pareto import SAME_WORKLOAD
+from .pareto import SAME_WORKLOAD, workload
 from .retrieval import Point, _by_task, paired, per_sample
 
 
@@ -38,10 +38,7 @@ def _config(run: Path) -> dict:
     path = run / "config.json"
     if not path.is_file():
         raise ValueError(f"{run}: no config.json (not a bench.retrieval run folder)")
-    cfg = json.loads(path.read_text())
-    work = {k: cfg.get(k) for k in SAME_WORKLOAD}
-    work["model_dtype"] = work["model_dtype"] or "bfloat16"  # runs before the field were bf16
-    return work
+    return workload(json.loads(path.read_text()))
 
 
 def _item(run: Path, point: Point, length: int) -> dict:

@@ -33,6 +33,13 @@ from .report import write_json
 SAME_WORKLOAD = ("model", "preset", "samples", "tasks", "max_new", "model_dtype")
 
 
+def workload(cfg: dict) -> dict:
+    """The fields of a retrieval run's ``config.json`` that make two runs' samples the same samples."""
+    work = {k: cfg.get(k) for k in SAME_WORKLOAD}
+    work["model_dtype"] = work["model_dtype"] or "bfloat16"  # runs before the field: bf16 (see run_name)
+    return work
+
+
 def _read(path: Path, what: str):
     if not path.is_file():
         raise ValueError(f"{path.parent}: no {path.name} ({what})")
@@ -66,9 +73,7 @@ def load_retrieval(dirs) -> tuple[dict, dict, dict]:
     """({(point, length): summary row}, the shared workload config, {artifact: (sha, dir)})."""
     rows, config, arts = {}, None, {}
     for d in map(Path, dirs):
-        cfg = _read(d / "config.json", "a bench.retrieval run folder")
-        work = {k: cfg.get(k) for k in SAME_WORKLOAD}
-        work["model_dtype"] = work["model_dtype"] or "bfloat16"  # runs before the field: bf16 (see run_name)
+        work = workload(_read(d / "config.json", "a bench.retrieval run folder"))
         if config is None:
             config = work
         elif work != config:

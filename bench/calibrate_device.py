@@ -8,7 +8,7 @@ shape with random weights (issue 13 item 6): what a user with a GPU and an 8B mo
 1. The shape's config gets random weights (seeded, std 0.02, bf16) and is saved as an HF checkpoint
    with a tokenizer (``--tokenizer``, default SmolLM2's, whose 49,152 ids fit any vocabulary at
    least that large) in a scratch folder (``--work``, removed afterwards unless ``--keep``).
-2. ``python -m calibrate --model CKPT --out RUN/artifact --device DEVICE --preset P [calibrate
+2. ``python -m calibrate --model CKPT --out WORK/artifact --device DEVICE --preset P [calibrate
    flags]`` runs in a subprocess, timed from the outside: the user's wall time, Python start-up and
    the model load included. Any argument this bench does not know is passed on to calibrate.
 3. The artifact is read back with ``load_artifact`` against the checkpoint's fingerprint. It stays
@@ -110,8 +110,8 @@ def device_name(device: str) -> str:
 
 
 def run_calibration(ckpt: Path, out: Path, device: str, preset: str, extra: list) -> dict:
-    """``python -m calibrate`` on ``ckpt`` in a subprocess -> wall seconds, the child's peak RSS,
-    and its output (raises with the child's stderr tail when it fails)."""
+    """``python -m calibrate`` on ``ckpt`` in a subprocess -> its argv, wall seconds and the child's
+    peak RSS (raises with the child's stderr tail when it fails)."""
     argv = [sys.executable, "-m", "calibrate", "--model", str(ckpt), "--out", str(out), "--device", device,
             "--preset", preset, "--quiet", *extra]
     t0 = time.perf_counter()
@@ -120,8 +120,7 @@ def run_calibration(ckpt: Path, out: Path, device: str, preset: str, extra: list
     if res.returncode != 0:
         raise RuntimeError(f"calibration failed (rc {res.returncode}): {' '.join(argv[1:])}\n{res.stderr[-3000:]}")
     rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux: KiB
-    return {"argv": argv[1:], "wall_s": round(wall, 2), "peak_host_rss_gib": round(rss_kib / 2**20, 2),
-            "stdout": res.stdout}
+    return {"argv": argv[1:], "wall_s": round(wall, 2), "peak_host_rss_gib": round(rss_kib / 2**20, 2)}
 
 
 def summarize(m: dict) -> str:

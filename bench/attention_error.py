@@ -194,18 +194,24 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
         m = sal.kept_mask(kept, T)[..., None]
         kq, vq = torch.where(m, ke, kq), torch.where(m, ve, vq)
     out = torch.empty(H, G, n, d)
+    selecting = p.salient is not None and T == p.select_at and layer not in p.scores
+    echo = torch.zeros(H, T) if selecting and p.salient.echo else None
     for s in range(0, n, p.chunk):
         e = min(n, s + p.chunk)
         a, b = T - n + s, T - n + e
         S, out[:, :, s:e] = _mix(q[:, :, s:e], kq, ke, vq, ve, a, b, p.sink, p.recent)
         if p.stats is not None:
             p.stats.add(layer, torch.arange(a, b), *_stats(q[:, :, s:e], ke, S, a, b))
-    if p.salient is not None and T == p.select_at and layer not in p.scores:
+        if echo is not None:  # every prompt query's attention to the prompt's head, as served
+            echo[:, a:b] = sal.echo_scores(torch.softmax(S, -1), p.sink)
+    if selecting and echo is not None:
+        p.scores[layer] = sal.pooled(sal.above_local_median(echo), p.salient.reach)
+    elif selecting:
         w = min(p.salient.obs, n)  # the selection point's observation queries, over the keys as served
         S, _ = _mix(q[:, :, n - w:], kq, ke, vq, ve, T - w, T, p.sink, p.recent)
         p.scores[layer] = sal.token_scores(torch.softmax(S, -1), p.salient.reach)
-        if not p.salient.shared:
-            p.kept[layer] = sal.top_positions(p.scores[layer], p.sink, p.recent, p.salient.budget)
+    if selecting and not p.salient.shared:
+        p.kept[layer] = sal.top_positions(p.scores[layer], p.sink, p.recent, p.salient.budget)
     return out.reshape(Hq, n, d).transpose(0, 1)[None].to(query.dtype), None
 
 

@@ -13,7 +13,10 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first]``:
   positions are chosen from the attention of the last 32 queries before the question (``later``) or of the
   whole prompt's last 32 (default: the question is in the prompt, RULER's order); ``aN`` (``S64a12``)
   pools forward: a token is scored by the best peak up to N positions before it (a needle's value
-  follows the words the question attends to), else by peaks within 3 positions either side;
+  follows the words the question attends to), else by peaks within 3 positions either side; a
+  final ``e`` (``S128a12e``) scores by the echo rule instead (:mod:`sglang_tasq.salient`: each
+  prompt token's own attention to the prompt's head, above its running median), the selection
+  for a question asked before the document;
 * ``later``: the prompt is read in two forwards, the context, then the question and the answer
   prefix; the selection sees only the context (the query-agnostic case: a question asked after
   the document, or in a later turn). Without salient tokens it equals the one-forward run.
@@ -54,7 +57,7 @@ from . import niah, stats
 from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
-_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?)?"
+_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?(?P<e>e)?)?"
                     r"(?::(?P<q>later|first))?$")
 
 
@@ -68,6 +71,7 @@ class Point:
     shared: bool = False
     after: int | None = None
     first: bool = False
+    echo: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Point":
@@ -81,7 +85,7 @@ class Point:
             sink = recent = 0
         after = None if m["a"] is None else int(m["a"])
         return cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
-                   m["q"] == "first")
+                   m["q"] == "first", m["e"] == "e")
 
     @property
     def question(self) -> str:
@@ -98,7 +102,7 @@ class Point:
             return "bf16" + self.order_suffix
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
         return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"a{self.after}" if self.after is not None else "")
-                if self.budget else "") + self.order_suffix
+                + ("e" if self.echo else "") if self.budget else "") + self.order_suffix
 
     @property
     def slug(self) -> str:
@@ -107,7 +111,7 @@ class Point:
     def salient(self):
         from sglang_tasq.salient import SalientSpec
 
-        return SalientSpec(self.budget, shared=self.shared, after=self.after) if self.budget else None
+        return SalientSpec(self.budget, shared=self.shared, after=self.after, echo=self.echo) if self.budget else None
 
 
 def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> float:
@@ -228,7 +232,7 @@ def check_artifacts(run_dir: Path, ids: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first] ... (see the module docstring)")
+    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN][e]][:later|:first] ... (see the module docstring)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--samples", type=int, default=8, help="per task (>= 8 for an interval worth reading)")
     ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))

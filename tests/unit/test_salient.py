@@ -164,6 +164,72 @@ def test_selection_uses_the_observation_queries_over_the_keys_as_served(model, m
         assert torch.equal(probe.kept[layer], sal.select(captured[layer], 4, 8, spec))
 
 
+def test_echo_scores_read_the_head_without_its_first_token():
+    """Each query's attention to positions [1, sink), summed over the query heads of its KV head."""
+    g = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(2, 3, 5, 40, generator=g), -1)
+    got = sal.echo_scores(probs, 6)
+    assert got.shape == (2, 5)
+    for h in range(2):
+        for t in range(5):
+            want = sum(float(probs[h, q, t, j]) for q in range(3) for j in range(1, 6))
+            assert float(got[h, t]) == pytest.approx(want, rel=1e-6)
+    assert sal.echo_span(64) == (1, 64) and sal.echo_span(0) == (0, 0)
+    assert sal.echo_scores(probs, 0).abs().max() == 0  # no head, no echo
+
+
+def test_above_local_median_equals_brute_force():
+    g = torch.Generator().manual_seed(5)
+    s = torch.rand(2, 30, generator=g)
+    got = sal.above_local_median(s, 7)
+    for h in range(2):
+        for t in range(30):
+            win = [float(s[h, min(29, max(0, j))]) for j in range(t - 3, t + 4)]  # edges replicated
+            assert float(got[h, t]) == pytest.approx(float(s[h, t]) - sorted(win)[3], abs=1e-7)
+    for bad in (0, 8):
+        with pytest.raises(ValueError, match="odd"):
+            sal.above_local_median(s, bad)
+
+
+def test_echo_peak_wins_over_the_drift_near_the_head():
+    """A stretch near the head looks back at it more than a needle's key word far away does; the
+    running median takes the drift out, and the forward reach keeps what follows the peak."""
+    T = 400
+    s = torch.linspace(0.6, 0.05, T)[None]  # attention to the head falls with distance
+    s[0, 300] += 0.3  # the key word, far from the head
+    raw = sal.pooled(s, (1, 12))
+    assert sal.top_positions(raw, 64, 16, 14)[0].tolist() == list(range(64, 78))  # drift wins
+    peak = sal.pooled(sal.above_local_median(s), (1, 12))
+    assert sal.top_positions(peak, 64, 16, 14)[0].tolist() == list(range(299, 313))
+
+
+def test_echo_selection_uses_every_prompt_query_over_the_keys_as_served(model, method):
+    """echo: the kept positions are the top of each prompt query's served attention to [1, sink),
+    less its running median, pooled forward; computed in the prompt's forward, no extra pass."""
+    ids = torch.randint(0, V, (90,), generator=torch.Generator().manual_seed(6))
+    spec = sal.SalientSpec(6, after=4, echo=True)
+    captured = {}
+    orig = ae._mix
+
+    def spy(q, kq, ke, vq, ve, a, b, sink, recent):
+        S, out = orig(q, kq, ke, vq, ve, a, b, sink, recent)
+        if b - a > 1 and b <= 90:  # the prompt's forward, one chunk per layer here
+            captured[len(captured)] = torch.softmax(S, -1)
+        return S, out
+    ae._mix = spy
+    try:
+        _, probe = _run(model, method, ids, 4, 8, salient=spec, steps=1)
+    finally:
+        ae._mix = orig
+    assert len(captured) == 2  # no observation pass: one prompt chunk per layer
+    for layer in (0, 1):
+        want = sal.pooled(sal.above_local_median(sal.echo_scores(captured[layer], 4)), (1, 4))
+        assert torch.equal(probe.scores[layer], want)
+        assert torch.equal(probe.kept[layer], sal.top_positions(want, 4, 8, 6))
+    obs, p2 = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(6, after=4), steps=1)
+    assert not torch.equal(p2.kept[0], probe.kept[0])
+
+
 class _Tok:
     """Characters as tokens, with offsets (what question_split reads)."""
 
@@ -212,8 +278,12 @@ def test_points_parse_and_bits():
     assert f.first and not f.later and f.question == "first" and f.name == "tasq:64+256:S64a12:first"
     assert R.Point.parse("bf16:first").name == "bf16:first" and R.Point.parse("tasq").question == "last"
     assert f.slug != a.slug and R.Point.parse(f.name) == f
+    e = R.Point.parse("tasq:64+256:S128a12e:first")
+    assert e.salient() == sal.SalientSpec(128, shared=True, after=12, echo=True) and e.first
+    assert e.name == "tasq:64+256:S128a12e:first" and R.Point.parse(e.name) == e and e.slug != f.slug
+    assert R.Point.parse("tasq:s8e").name == "tasq:64+256:s8e"
     for bad in ("tasq:64", "tasq:s", "nosuch:64+256", "tasq:64+256:later:s3", "tasq:64+256:later:first",
-                "tasq:first:s3"):
+                "tasq:first:s3", "tasq:64+256:e", "tasq:64+256:S8ea2"):
         with pytest.raises(ValueError):
             R.Point.parse(bad)
     assert R.bits_all_in(R.Point.parse("bf16"), (16, 16), 1000, 64) == 16.0

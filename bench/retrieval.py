@@ -77,7 +77,7 @@ class Point:
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET][:later|:first], "
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[aN][e]][:later|:first], "
                              "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")

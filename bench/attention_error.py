@@ -116,7 +116,8 @@ class Probe:
     salient: Optional[sal.SalientSpec] = None
     select_at: Optional[int] = None
     kept: dict = field(default_factory=dict)
-    scores: dict = field(default_factory=dict)  # layer -> [H, T] pooled observation scores
+    scores: dict = field(default_factory=dict)  # layer -> [H, T] pooled selection scores (rule "obs" or "echo")
+    echo: dict = field(default_factory=dict)  # layer -> [H, T] pooled echo scores (rule "both": half the budget)
 
 
 @contextmanager
@@ -187,7 +188,8 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
     q = query[0].float().reshape(H, G, n, d) * scaling
     kq, vq, ke, ve = key[0].float(), value[0].float(), kx[0].float(), vx[0].float()
     if p.salient is not None and p.salient.shared and p.scores and not p.kept and T > p.select_at:
-        shared = sal.select_shared([p.scores[i] for i in sorted(p.scores)], p.sink, p.recent, p.salient)
+        second = [p.echo[i] for i in sorted(p.echo)] or None
+        shared = sal.select_shared([p.scores[i] for i in sorted(p.scores)], p.sink, p.recent, p.salient, second)
         p.kept.update({i: shared.expand(p.scores[i].shape[0], -1) for i in p.scores})  # every layer, head
     kept = p.kept.get(layer)
     if kept is not None and kept.numel():  # kept positions read exactly by every later query
@@ -195,7 +197,7 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
         kq, vq = torch.where(m, ke, kq), torch.where(m, ve, vq)
     out = torch.empty(H, G, n, d)
     selecting = p.salient is not None and T == p.select_at and layer not in p.scores
-    echo = torch.zeros(H, T) if selecting and p.salient.echo else None
+    echo = torch.zeros(H, T) if selecting and p.salient.rule != "obs" else None
     for s in range(0, n, p.chunk):
         e = min(n, s + p.chunk)
         a, b = T - n + s, T - n + e
@@ -204,14 +206,18 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
             p.stats.add(layer, torch.arange(a, b), *_stats(q[:, :, s:e], ke, S, a, b))
         if echo is not None:  # every prompt query's attention to the prompt's head, as served
             echo[:, a:b] = sal.echo_scores(torch.softmax(S, -1), p.sink)
-    if selecting and echo is not None:
-        p.scores[layer] = sal.pooled(sal.above_local_median(echo), p.salient.reach)
+    if echo is not None:
+        echo = sal.pooled(sal.above_local_median(echo), p.salient.reach)
+    if selecting and p.salient.rule == "echo":
+        p.scores[layer] = echo
     elif selecting:
         w = min(p.salient.obs, n)  # the selection point's observation queries, over the keys as served
         S, _ = _mix(q[:, :, n - w:], kq, ke, vq, ve, T - w, T, p.sink, p.recent)
         p.scores[layer] = sal.token_scores(torch.softmax(S, -1), p.salient.reach)
+        if echo is not None:
+            p.echo[layer] = echo
     if selecting and not p.salient.shared:
-        p.kept[layer] = sal.top_positions(p.scores[layer], p.sink, p.recent, p.salient.budget)
+        p.kept[layer] = sal.top_union(p.scores[layer], p.echo.get(layer), p.sink, p.recent, p.salient.budget)
     return out.reshape(Hq, n, d).transpose(0, 1)[None].to(query.dtype), None
 
 

@@ -16,7 +16,7 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first]``:
   follows the words the question attends to), else by peaks within 3 positions either side; a
   final ``e`` (``S128a12e``) scores by the echo rule instead (:mod:`sglang_tasq.salient`: each
   prompt token's own attention to the prompt's head, above its running median), the selection
-  for a question asked before the document;
+  for a question asked before the document; ``b`` (``S128a12b``) keeps half by each rule;
 * ``later``: the prompt is read in two forwards, the context, then the question and the answer
   prefix; the selection sees only the context (the query-agnostic case: a question asked after
   the document, or in a later turn). Without salient tokens it equals the one-forward run.
@@ -57,7 +57,7 @@ from . import niah, stats
 from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
-_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?(?P<e>e)?)?"
+_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?(?P<e>[eb])?)?"
                     r"(?::(?P<q>later|first))?$")
 
 
@@ -71,7 +71,7 @@ class Point:
     shared: bool = False
     after: int | None = None
     first: bool = False
-    echo: bool = False
+    rule: str = "obs"
 
     @classmethod
     def parse(cls, text: str) -> "Point":
@@ -85,7 +85,7 @@ class Point:
             sink = recent = 0
         after = None if m["a"] is None else int(m["a"])
         return cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
-                   m["q"] == "first", m["e"] == "e")
+                   m["q"] == "first", {"e": "echo", "b": "both"}.get(m["e"], "obs"))
 
     @property
     def question(self) -> str:
@@ -102,7 +102,7 @@ class Point:
             return "bf16" + self.order_suffix
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
         return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"a{self.after}" if self.after is not None else "")
-                + ("e" if self.echo else "") if self.budget else "") + self.order_suffix
+                + {"obs": "", "echo": "e", "both": "b"}[self.rule] if self.budget else "") + self.order_suffix
 
     @property
     def slug(self) -> str:
@@ -111,7 +111,7 @@ class Point:
     def salient(self):
         from sglang_tasq.salient import SalientSpec
 
-        return SalientSpec(self.budget, shared=self.shared, after=self.after, echo=self.echo) if self.budget else None
+        return SalientSpec(self.budget, shared=self.shared, after=self.after, rule=self.rule) if self.budget else None
 
 
 def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> float:

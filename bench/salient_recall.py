@@ -73,10 +73,12 @@ def selection(model, tok, method, point: Point, sample: dict) -> dict:
     if not cand:
         return rec
     if spec.shared:
-        kept = [set(sal.select_shared(layers, point.sink, point.recent, spec).tolist())]
+        second = [probe.echo[i] for i in sorted(probe.echo)] or None
+        kept = [set(sal.select_shared(layers, point.sink, point.recent, spec, second).tolist())]
         rec["kept"] = sorted(kept[0])
     else:
-        kept = [set(row.tolist()) for s in layers for row in sal.top_positions(s, point.sink, point.recent, spec.budget)]
+        kept = [set(row.tolist()) for i in sorted(probe.scores) for row in
+                sal.top_union(probe.scores[i], probe.echo.get(i), point.sink, point.recent, spec.budget)]
     rec["recall"] = sum(sum(p in k for p in cand) / len(cand) for k in kept) / len(kept)
     total = torch.stack([s.float() for s in layers]).sum((0, 1))[lo:hi]
     order = torch.sort(-total, stable=True).indices  # the selection's order (ties to the lower)

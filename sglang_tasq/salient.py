@@ -15,13 +15,15 @@ point reads a kept (position, head) exactly, in addition to the window rule of
 the selection point is no candidate: it is exact then, and moves to its codes as generation
 pushes it out of the window (only for generations longer than ``recent``).
 
-The echo rule (``SalientSpec.echo``, for a question asked *before* the document, where the last
+The echo rule (``SalientSpec.rule == "echo"``, for a question asked *before* the document, where the last
 queries cannot see it): every prompt query's served attention to the prompt's head (the sink
 window less its first token, where a chat prompt puts its instruction and question) is summed
 over the query heads of each KV head; less its running median (:data:`ECHO_WINDOW` positions, the
 drift of how much a stretch of text looks back), pooled and chosen as above. A needle's key words
 attend to the same words in the question; its value follows them. It needs no extra pass: the
-scores are the prompt's own attention rows, as the prefill computes them.
+scores are the prompt's own attention rows, as the prefill computes them. ``"both"`` keeps the
+best ``budget - budget // 2`` by the observation rule and fills the rest by the echo rule (a
+server does not know where its prompts put the question).
 
 Bits: a kept (token, head) stores its key and value at 16 bits and one 4-byte position, on top
 of its codes (kept so the selection can change without re-encoding): over a prompt of ``T``
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+RULES = ("obs", "echo", "both")
 ECHO_SKIP = 1  # the first prompt token is the attention sink: no echo selection reads it
 ECHO_WINDOW = 65  # an echo score counts above the median of the 65 positions around it
 POSITION_BITS = 32  # one int32 position per kept (token, KV head), shared by its key and value
@@ -52,9 +55,11 @@ class SalientSpec:
     pool: int = 7
     shared: bool = False
     after: int | None = None  # asymmetric pooling: a token within ``after`` positions past a peak
-    echo: bool = False  # score by each token's own attention to the prompt's head (:func:`echo_scores`)
+    rule: str = "obs"  # "obs" | "echo" (:func:`echo_scores`) | "both": half the budget each
 
     def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"salient rule {self.rule!r}: allowed {RULES}")
         if self.budget < 0 or self.obs < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"salient spec needs budget >= 0, obs >= 1 and an odd pool >= 1, got {self}")
         if self.after is not None and self.after < 0:
@@ -139,12 +144,29 @@ def select(probs: torch.Tensor, sink: int, recent: int, spec: SalientSpec) -> to
     return top_positions(token_scores(probs, spec.reach), sink, recent, spec.budget)
 
 
-def select_shared(layer_scores, sink: int, recent: int, spec: SalientSpec) -> torch.Tensor:
+def top_union(first: torch.Tensor, second: torch.Tensor | None, sink: int, recent: int,
+              budget: int) -> torch.Tensor:
+    """scores [X, T] -> [X, B] kept positions per row (ascending): the best ``budget`` by
+    ``first``; with ``second``, the best ``budget - budget // 2`` by ``first`` and the best
+    ``budget // 2`` of the other candidates by ``second`` (B = min(budget, candidates))."""
+    if second is None:
+        return top_positions(first, sink, recent, budget)
+    lo, hi = candidates(first.shape[1], sink, recent)
+    a = top_positions(first, sink, recent, budget - budget // 2)
+    rest = min(budget // 2, max(0, hi - lo) - a.shape[1])
+    masked = second.float().scatter(1, a, float("-inf"))
+    return torch.sort(torch.cat([a, top_positions(masked, sink, recent, rest)], 1), dim=1).values
+
+
+def select_shared(layer_scores, sink: int, recent: int, spec: SalientSpec, second=None) -> torch.Tensor:
     """[B] positions kept in every layer and head: the best of the pooled scores
     (:func:`token_scores`, [H, T] per layer) summed over layers and heads (each layer's rows sum
-    to the same total, so layers weigh alike)."""
-    total = torch.stack([s.float() for s in layer_scores]).sum((0, 1))
-    return top_positions(total[None], sink, recent, spec.budget)[0]
+    to the same total, so layers weigh alike); ``second`` (the echo scores of rule "both"): half
+    the budget by their sum (:func:`top_union`)."""
+    def total(scores):
+        return torch.stack([s.float() for s in scores]).sum((0, 1))[None]
+
+    return top_union(total(layer_scores), None if second is None else total(second), sink, recent, spec.budget)[0]
 
 
 def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:

@@ -207,7 +207,7 @@ def test_echo_selection_uses_every_prompt_query_over_the_keys_as_served(model, m
     """echo: the kept positions are the top of each prompt query's served attention to [1, sink),
     less its running median, pooled forward; computed in the prompt's forward, no extra pass."""
     ids = torch.randint(0, V, (90,), generator=torch.Generator().manual_seed(6))
-    spec = sal.SalientSpec(6, after=4, echo=True)
+    spec = sal.SalientSpec(6, after=4, rule="echo")
     captured = {}
     orig = ae._mix
 
@@ -228,6 +228,37 @@ def test_echo_selection_uses_every_prompt_query_over_the_keys_as_served(model, m
         assert torch.equal(probe.kept[layer], sal.top_positions(want, 4, 8, 6))
     obs, p2 = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(6, after=4), steps=1)
     assert not torch.equal(p2.kept[0], probe.kept[0])
+
+
+def test_top_union_splits_the_budget_between_two_rules():
+    first = torch.zeros(1, 40)
+    first[0, 10:20] = torch.arange(10, 0, -1).float()  # best by the first rule: 10, 11, 12, ...
+    second = torch.zeros(1, 40)
+    second[0, 10:13] = 9.0  # the second rule's best are already kept by the first
+    second[0, 30:33] = torch.tensor([3.0, 2.0, 1.0])
+    got = sal.top_union(first, second, 4, 4, 7)[0].tolist()
+    assert got == [10, 11, 12, 13, 30, 31, 32]  # 4 by the first, 3 by the second, no position twice
+    assert torch.equal(sal.top_union(first, None, 4, 4, 7), sal.top_positions(first, 4, 4, 7))
+    small = sal.top_union(first, second, 4, 30, 9)  # only 6 candidates: each kept once
+    assert small[0].tolist() == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(ValueError, match="rule"):
+        sal.SalientSpec(4, rule="nosuch")
+
+
+def test_both_rules_keep_half_each(model, method):
+    ids = torch.randint(0, V, (90,), generator=torch.Generator().manual_seed(7))
+    _, obs = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(6, after=4), steps=1)
+    _, echo = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(6, after=4, rule="echo"), steps=1)
+    _, both = _run(model, method, ids, 4, 8, salient=sal.SalientSpec(6, after=4, rule="both"), steps=1)
+    for layer in (0, 1):
+        assert torch.equal(both.scores[layer], obs.scores[layer]) and torch.equal(both.echo[layer], echo.scores[layer])
+        assert torch.equal(both.kept[layer], sal.top_union(obs.scores[layer], echo.scores[layer], 4, 8, 6))
+        for h in range(2):
+            assert set(sal.top_positions(obs.scores[layer], 4, 8, 3)[h].tolist()) <= set(both.kept[layer][h].tolist())
+    spec = sal.SalientSpec(6, after=4, rule="both", shared=True)
+    _, sh = _run(model, method, ids, 4, 8, salient=spec, steps=2)
+    want = sal.select_shared([sh.scores[i] for i in (0, 1)], 4, 8, spec, [sh.echo[i] for i in (0, 1)])
+    assert torch.equal(sh.kept[0][0], want) and want.shape == (6,)
 
 
 class _Tok:
@@ -279,9 +310,11 @@ def test_points_parse_and_bits():
     assert R.Point.parse("bf16:first").name == "bf16:first" and R.Point.parse("tasq").question == "last"
     assert f.slug != a.slug and R.Point.parse(f.name) == f
     e = R.Point.parse("tasq:64+256:S128a12e:first")
-    assert e.salient() == sal.SalientSpec(128, shared=True, after=12, echo=True) and e.first
+    assert e.salient() == sal.SalientSpec(128, shared=True, after=12, rule="echo") and e.first
     assert e.name == "tasq:64+256:S128a12e:first" and R.Point.parse(e.name) == e and e.slug != f.slug
     assert R.Point.parse("tasq:s8e").name == "tasq:64+256:s8e"
+    b = R.Point.parse("tasq:64+256:S128a12b")
+    assert b.salient().rule == "both" and b.name == "tasq:64+256:S128a12b" and b.slug != e.slug
     for bad in ("tasq:64", "tasq:s", "nosuch:64+256", "tasq:64+256:later:s3", "tasq:64+256:later:first",
                 "tasq:first:s3", "tasq:64+256:e", "tasq:64+256:S8ea2"):
         with pytest.raises(ValueError):

@@ -13,11 +13,13 @@ before the selection point) are compared with what was kept:
   the windows); a sample with none is reported but not scored (its needle is exact anyway);
 - ``recall``: the share of those kept exact (per (layer, KV head) sets: averaged over them);
 - ``best_rank``: the rank of the best-scored value token among all candidates, by the scores
-  summed over layers and heads (0 = the top; the budget is the cut);
+  summed over layers and heads (0 = the top; the budget is the cut; rule "both": by the
+  last-queries scores, which choose the first half);
 - ``kept`` (shared sets only): the kept positions, the set generation reads exactly.
 
 The summary joins each sample with its retrieval score under the point and under
-``--base`` (default ``tasq:64+256``, no kept tokens) when those items are in the run folder:
+``--base`` (default ``tasq:64+256``, no kept tokens; ``:first`` added for a question-first point) when
+those items are in the run folder:
 whether the samples a selection finds are the ones it rescues. Written to
 ``<retrieval run folder>/recall/`` (one JSON per point and length, ``recall.md``).
 """
@@ -28,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from . import methods as M
@@ -176,10 +179,11 @@ def main(argv=None) -> int:
         rec = json.loads(path.read_text())
         p, length = Point.parse(rec["point"]), rec["length"]
         items = {}
-        for name in (p.name, a.base):
+        base = replace(Point.parse(a.base), first=p.first).name  # the base on the same prompts
+        for name in (p.name, base):
             f = run_dir / "items" / f"{Point.parse(name).slug}__{length}.json"
             items[name] = per_sample(json.loads(f.read_text())) if f.is_file() else None
-        s = summarize(rec["samples"], items[p.name], items[a.base], p.budget)
+        s = summarize(rec["samples"], items[p.name], items[base], p.budget)
         rows.append({"point": p.name, "length": length, "summary": s})
         print(f"[salient_recall] {p.name} length={length}: {json.dumps(s)}", flush=True)
     rows.sort(key=lambda r: (r["length"], r["point"]))

@@ -2,7 +2,7 @@
 (method, windows, salient tokens kept exact, where the question comes), each with its bits per
 element all-in at the prompt length measured.
 
-A point is written ``METHOD[:WINDOWS][:sB|:SB[aN]][:later|:first]``:
+A point is written ``METHOD[:WINDOWS][:sB|:SB[aN][e|b]][:later|:first]``:
 
 * ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...), layer
   mixes included (``tasq+tasq@g4k256/g8k1024@L3,7,12``: layers 3, 7, 12 at the 1.7 rate);
@@ -77,7 +77,7 @@ class Point:
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[aN][e]][:later|:first], "
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[aN][e|b]][:later|:first], "
                              "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")
@@ -232,7 +232,7 @@ def check_artifacts(run_dir: Path, ids: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN][e]][:later|:first] ... (see the module docstring)")
+    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN][e|b]][:later|:first] ... (see the module docstring)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--samples", type=int, default=8, help="per task (>= 8 for an interval worth reading)")
     ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))

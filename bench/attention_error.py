@@ -118,6 +118,13 @@ class Probe:
     kept: dict = field(default_factory=dict)
     scores: dict = field(default_factory=dict)  # layer -> [H, T] pooled selection scores (rule "obs" or "echo")
     echo: dict = field(default_factory=dict)  # layer -> [H, T] pooled echo scores (rule "both": half the budget)
+    stream: Optional[torch.Tensor] = None  # streaming spec (salient.block): each token's window echo, summed
+    decided: int = 0  # streaming: blocks decided so far
+    by_layer: Optional[list] = None  # streaming, if a list: each layer's window echo [T] of the forward
+
+    def __post_init__(self):
+        if self.salient is not None:
+            self.salient.check_windows(self.sink, self.recent)
 
 
 @contextmanager
@@ -160,6 +167,42 @@ def _mix(q, kq, ke, vq, ve, a: int, b: int, sink: int, recent: int):
     return S, out
 
 
+def _window_echo(q, ke, a: int, b: int, sink: int, recent: int) -> torch.Tensor:
+    """[c]: :func:`salient.window_echo` of the queries at positions [a, b) (exact keys only),
+    summed over the KV heads."""
+    H, G, c, d = q.shape
+    lo = max(0, a + 1 - recent)
+    cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
+    E = query_window(torch.arange(a, b), cols, sink, recent) & (cols[None] <= torch.arange(a, b)[:, None])
+    Se = torch.bmm(q.reshape(H, G * c, d), ke[:, cols].transpose(1, 2)).view(H, G, c, -1)
+    return sal.window_echo(Se, E, cols, sink).sum(0)
+
+
+def _stream(p: "Probe", q, ke, T: int, n: int, layer: int, H: int) -> None:
+    """Streaming salient tokens, layers up to the deciding one (``salient.layer``): add this
+    forward's queries' window echo to each token's score; at the deciding layer, decide every block
+    the scored tokens reach, before its attention (so a query past a block's horizon reads that
+    block's kept tokens in the same forward: the same whether the prompt comes whole or chunked)."""
+    if p.stream is None or p.stream.numel() < T:
+        grown = torch.zeros(max(T, 2 * (0 if p.stream is None else p.stream.numel()), 1024), dtype=torch.float64)
+        if p.stream is not None:
+            grown[: p.stream.numel()] = p.stream
+        p.stream = grown
+    mine = torch.zeros(n, dtype=torch.float64)
+    for s in range(0, n, p.chunk):
+        e = min(n, s + p.chunk)
+        mine[s:e] = _window_echo(q[:, :, s:e], ke, T - n + s, T - n + e, p.sink, p.recent).double()
+    p.stream[T - n: T] += mine
+    if p.by_layer is not None:
+        p.by_layer.append(mine)
+    if layer == p.salient.layer:
+        k = sal.decided_blocks(T, p.salient)
+        if k > p.decided:
+            new = sal.decide_blocks(p.stream, T, p.decided, p.sink, p.salient)
+            p.decided = k
+            p.kept["all"] = torch.cat([p.kept.get("all", torch.empty(0, dtype=torch.long)), new])
+
+
 def _stats(q, ke, S, a: int, b: int):
     """Per query [c]: sum of squared logit error, sum of squared exact logits, mean KL over heads."""
     H, G, c, d = q.shape
@@ -187,16 +230,22 @@ def decode_view_attention(module, query, key, value, attention_mask, scaling=Non
     kx, vx = p.cache.exact_kv(layer)
     q = query[0].float().reshape(H, G, n, d) * scaling
     kq, vq, ke, ve = key[0].float(), value[0].float(), kx[0].float(), vx[0].float()
+    streaming = p.salient is not None and p.salient.block is not None
+    if streaming and layer <= p.salient.layer:
+        _stream(p, q, ke, T, n, layer, H)
     if p.salient is not None and p.salient.shared and p.scores and not p.kept and T > p.select_at:
         second = [p.echo[i] for i in sorted(p.echo)] or None
         shared = sal.select_shared([p.scores[i] for i in sorted(p.scores)], p.sink, p.recent, p.salient, second)
         p.kept.update({i: shared.expand(p.scores[i].shape[0], -1) for i in p.scores})  # every layer, head
     kept = p.kept.get(layer)
+    if streaming:
+        kept = p.kept.get("all") if layer >= p.salient.layer else None
+        kept = None if kept is None else kept.expand(H, -1)
     if kept is not None and kept.numel():  # kept positions read exactly by every later query
         m = sal.kept_mask(kept, T)[..., None]
         kq, vq = torch.where(m, ke, kq), torch.where(m, ve, vq)
     out = torch.empty(H, G, n, d)
-    selecting = p.salient is not None and T == p.select_at and layer not in p.scores
+    selecting = not streaming and p.salient is not None and T == p.select_at and layer not in p.scores
     echo = torch.zeros(H, T) if selecting and p.salient.rule != "obs" else None
     for s in range(0, n, p.chunk):
         e = min(n, s + p.chunk)

@@ -2,7 +2,7 @@
 (method, windows, salient tokens kept exact, where the question comes), each with its bits per
 element all-in at the prompt length measured.
 
-A point is written ``METHOD[:WINDOWS][:sB|:SB[aN][e|b]][:later|:first]``:
+A point is written ``METHOD[:WINDOWS][:sB|:SB[/N[Ll]][aN][e|b]][:later|:first]``:
 
 * ``METHOD``: any :mod:`bench.methods` name (``bf16``, ``tasq``, ``tasq@g4k64``, ``cq``, ...), layer
   mixes included (``tasq+tasq@g4k256/g8k1024@L3,7,12``: layers 3, 7, 12 at the 1.7 rate);
@@ -17,6 +17,10 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[aN][e|b]][:later|:first]``:
   final ``e`` (``S128a12e``) scores by the echo rule instead (:mod:`sglang_tasq.salient`: each
   prompt token's own attention to the prompt's head, above its running median), the selection
   for a question asked before the document; ``b`` (``S128a12b``) keeps half by each rule;
+  ``SB/N[Ll]aMe`` (``S16/128L12a12e``): the streaming echo rule a server can run
+  (:mod:`sglang_tasq.salient`, ``SalientSpec.block``): ``B`` of every ``N`` positions, each block
+  decided from the prefix alone at layer ``l`` (default 0) and read exactly from it on; charged as
+  ``B / N`` of every prompt token;
 * ``later``: the prompt is read in two forwards, the context, then the question and the answer
   prefix; the selection sees only the context (the query-agnostic case: a question asked after
   the document, or in a later turn). Without salient tokens it equals the one-forward run.
@@ -57,7 +61,7 @@ from . import niah, stats
 from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
-_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:a(?P<a>\d+))?(?P<e>[eb])?)?"
+_POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:/(?P<blk>\d+)(?:L(?P<lay>\d+))?)?(?:a(?P<a>\d+))?(?P<e>[eb])?)?"
                     r"(?::(?P<q>later|first))?$")
 
 
@@ -72,20 +76,29 @@ class Point:
     after: int | None = None
     first: bool = False
     rule: str = "obs"
+    block: int | None = None
+    layer: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[aN][e|b]][:later|:first], "
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:later|:first], "
                              "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")
         if m["m"] == "bf16":
             sink = recent = 0
         after = None if m["a"] is None else int(m["a"])
-        return cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
-                   m["q"] == "first", {"e": "echo", "b": "both"}.get(m["e"], "obs"))
+        point = cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
+                    m["q"] == "first", {"e": "echo", "b": "both"}.get(m["e"], "obs"),
+                    None if m["blk"] is None else int(m["blk"]), int(m["lay"] or 0))
+        if point.block is not None:
+            try:
+                point.salient().check_windows(point.sink, point.recent)
+            except ValueError as e:
+                raise ValueError(f"point {text!r}: {e}") from None
+        return point
 
     @property
     def question(self) -> str:
@@ -101,7 +114,7 @@ class Point:
         if self.method == "bf16":
             return "bf16" + self.order_suffix
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
-        return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"a{self.after}" if self.after is not None else "")
+        return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"/{self.block}" + (f"L{self.layer}" if self.layer else "") if self.block else "") + (f"a{self.after}" if self.after is not None else "")
                 + {"obs": "", "echo": "e", "both": "b"}[self.rule] if self.budget else "") + self.order_suffix
 
     @property
@@ -111,7 +124,13 @@ class Point:
     def salient(self):
         from sglang_tasq.salient import SalientSpec
 
-        return SalientSpec(self.budget, shared=self.shared, after=self.after, rule=self.rule) if self.budget else None
+        return SalientSpec(self.budget, shared=self.shared, after=self.after, rule=self.rule,
+                           block=self.block, layer=self.layer) if self.budget else None
+
+    def kept_tokens(self, T: float) -> float:
+        """Kept tokens charged at a prompt of T: the budget, or ``budget / block`` of every token
+        for a streaming point (an over-count: the sink and the undecided tail keep none)."""
+        return self.budget * T / self.block if self.block else self.budget
 
 
 def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> float:
@@ -120,7 +139,7 @@ def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> floa
 
     if point.method == "bf16":
         return 16.0
-    extra = window_bits(point.sink, point.recent, T) + side_bits(point.budget, T, head_dim)
+    extra = window_bits(point.sink, point.recent, T) + side_bits(point.kept_tokens(T), T, head_dim)
     return round((code_bits[0] + code_bits[1]) / 2 + extra, 3)
 
 
@@ -232,7 +251,7 @@ def check_artifacts(run_dir: Path, ids: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.retrieval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[aN][e|b]][:later|:first] ... (see the module docstring)")
+    ap.add_argument("--points", nargs="+", required=True, help="METHOD[:WINDOWS][:sB|:SB[/N[Ll]][aN][e|b]][:later|:first] ... (see the module docstring)")
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024])
     ap.add_argument("--samples", type=int, default=8, help="per task (>= 8 for an interval worth reading)")
     ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))

@@ -39,8 +39,9 @@ def token_cap(sample: dict, cap) -> int:
 
 
 @lru_cache(maxsize=64)
-def _samples(tok, task: str, length: int, n: int, question: str = "last") -> tuple:
-    return tuple(niah.generate_samples(task, tok, length, n, formatter=niah.chat_formatter(tok), question=question))
+def _samples(tok, task: str, length: int, n: int, question: str = "last", seed: int = 42) -> tuple:
+    return tuple(niah.generate_samples(task, tok, length, n, seed, formatter=niah.chat_formatter(tok),
+                                       question=question))
 
 
 def _eos_ids(model, tok) -> set:

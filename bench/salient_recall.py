@@ -15,7 +15,12 @@ before the selection point) are compared with what was kept:
 - ``best_rank``: the rank of the best-scored value token among all candidates, by the scores
   summed over layers and heads (0 = the top; the budget is the cut; rule "both": by the
   last-queries scores, which choose the first half);
-- ``kept`` (shared sets only): the kept positions, the set generation reads exactly.
+- ``kept`` (shared sets only): the kept positions, the set generation reads exactly;
+- ``recall_by_layer`` (streaming points, ``S<b>/<N>L<l>...e``): the recall had the blocks been
+  decided at each layer ``0 .. l`` (the echo summed up to it), from the same forward.
+
+``--seed`` draws other samples than the NIAH benches' (42 + i), for choosing a setting on data
+the retrieval runs do not score (a run folder of its own).
 
 The summary joins each sample with its retrieval score under the point and under
 ``--base`` (default ``tasq:64+256``, no kept tokens; ``:first`` added for a question-first point) when
@@ -64,11 +69,14 @@ def selection(model, tok, method, point: Point, sample: dict) -> dict:
         raise ValueError(f"point {point.name} keeps no salient tokens: nothing to measure")
     ids = torch.tensor(tok(sample["prompt"], add_special_tokens=False)["input_ids"])
     T = question_split(tok, sample) if point.later else len(ids)
-    probe = Probe(ProbeCache(method), point.sink, point.recent, salient=spec, select_at=T)
+    probe = Probe(ProbeCache(method), point.sink, point.recent, salient=spec, select_at=T,
+                  by_layer=[] if spec.block is not None else None)
     with torch.no_grad(), active(probe):
         model.model(input_ids=ids[:T][None], past_key_values=probe.cache, use_cache=True)
-    layers = [probe.scores[i] for i in sorted(probe.scores)]
     lo, hi = sal.candidates(T, point.sink, point.recent)
+    if spec.block is not None:
+        return _streaming_record(probe, spec, sample, tok, T, lo, hi)
+    layers = [probe.scores[i] for i in sorted(probe.scores)]
     gold = gold_positions(tok, sample["prompt"], sample["outputs"], T)
     cand = [p for p in gold if lo <= p < hi]
     rec = {"task": sample["task"], "index": sample["index"], "T": T, "gold_tokens": len(gold),
@@ -88,6 +96,41 @@ def selection(model, tok, method, point: Point, sample: dict) -> dict:
     rank = torch.empty_like(order)
     rank[order] = torch.arange(len(order))
     rec["best_rank"] = int(min(rank[p - lo] for p in cand))
+    return rec
+
+
+def _streaming_record(probe, spec, sample, tok, T: int, lo: int, hi: int) -> dict:
+    """A streaming spec's record: recall of the value tokens read from codes among the tokens its
+    decided blocks keep; ``best_rank``: the best value token's rank inside its own block (the
+    budget is per block)."""
+    import torch
+
+    from sglang_tasq import salient as sal
+
+    gold = gold_positions(tok, sample["prompt"], sample["outputs"], T)
+    cand = [p for p in gold if lo <= p < hi]
+    rec = {"task": sample["task"], "index": sample["index"], "T": T, "gold_tokens": len(gold),
+           "gold_candidates": len(cand), "recall": None, "best_rank": None}
+    if not cand:
+        return rec
+    kept = probe.kept.get("all", torch.empty(0, dtype=torch.long))
+    rec["kept"] = kept.tolist()
+    rec["recall"] = sum(p in set(rec["kept"]) for p in cand) / len(cand)
+    c = sal.pooled(sal.above_local_median(probe.stream[None, :T].float()), spec.reach)[0]
+    ranks = []
+    for p in cand:
+        b0 = max(p // spec.block * spec.block, probe.sink)
+        blk = c[b0: (p // spec.block + 1) * spec.block]
+        ranks.append(int((blk > c[p]).sum()) + int((blk[: p - b0] == c[p]).sum()))
+    rec["best_rank"] = min(ranks)
+    # the same budget decided at each layer instead (layers up to the point's own: one forward
+    # holds their echo, which no kept token changes before the deciding layer)
+    cand_set, acc, by = set(cand), torch.zeros(T, dtype=torch.float64), []
+    for layer, e in enumerate(probe.by_layer[: spec.layer + 1]):
+        acc += e
+        kept_l = set(sal.decide_blocks(acc, T, 0, probe.sink, spec).tolist())
+        by.append(round(sum(p in kept_l for p in cand_set) / len(cand_set), 4))
+    rec["recall_by_layer"] = by
     return rec
 
 
@@ -137,6 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tasks", nargs="+", default=list(niah.TASKS))
     ap.add_argument("--base", default="tasq:64+256", help="the point without kept tokens to compare with")
+    ap.add_argument("--seed", type=int, default=42, help="first sample seed (the NIAH benches' is 42)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--preset", default="default", choices=("default", "fast"))
     ap.add_argument("--artifact", action="append", default=[], metavar="NAME=DIR")
@@ -163,15 +207,15 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(p.method for p in points):
         spec = M.parse(name)
         built[name] = M.build(spec, M.ensure_artifact(spec, a.model, a.preset, Path(a.artifact_root), overrides), fp)
-    run_dir = Path(a.results) / run_name(a.model, a.preset, a.samples, a.tasks, None,
-                                            dtype_name(model.dtype))
+    run_dir = Path(a.results) / (run_name(a.model, a.preset, a.samples, a.tasks, None, dtype_name(model.dtype))
+                                 + ("" if a.seed == 42 else f"_s{a.seed}"))
     for length in a.lengths:
         for p in points:
             path = run_dir / "recall" / f"{p.slug}__{length}.json"
             if not path.is_file():
                 t0 = time.time()
                 recs = [selection(model, tok, built[p.method], p, s) for task in a.tasks
-                        for s in _samples(tok, task, length, a.samples, p.question)]
+                        for s in _samples(tok, task, length, a.samples, p.question, a.seed)]
                 write_json(path, {"point": p.name, "length": length, "samples": recs,
                                   "seconds": round(time.time() - t0, 1)})
     rows = []

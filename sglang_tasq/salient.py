@@ -25,6 +25,24 @@ scores are the prompt's own attention rows, as the prefill computes them. ``"bot
 best ``budget - budget // 2`` by the observation rule and fills the rest by the echo rule (a
 server does not know where its prompts put the question).
 
+The streaming form (``SalientSpec.block``: keep ``budget`` of every ``block`` positions, echo
+rule, one set per request), the one a server can run: a prompt token's echo is its attention to
+the prompt's head *within the exact keys alone* (the window rule's sink and recent window,
+:func:`window_echo`), summed over layers and heads into one number per token; block ``k``
+(positions ``[k N, (k+1) N)``) keeps its ``budget`` best by the detrended, pooled scores as soon
+as the tokens up to :func:`block_horizon` have been scored (:func:`decide_blocks`). The scores
+summed are those of layers ``0 .. SalientSpec.layer``, and the kept tokens are read exactly from
+that layer on: a forward computes the echo of its own queries at a layer before that layer's
+attention, so the deciding layer can apply a block decided inside the same forward, and a
+prompt read whole or in chunks keeps the same tokens and attends the same way (a sum over every
+layer could only be applied in a later forward: chunking would change what the prompt reads).
+Scores and decisions depend on the prefix alone (never on codes, chunking, batching or which
+request wrote a token), so a kept token is a property of its KV slot, shareable through a radix
+cache like its codes, and the same prompt gets the same set cold, warm or chunked. A token is
+exact anyway until its block is decided (``block + lookahead <= recent``, checked), so the rule
+is: a query at ``i`` reads ``j`` exactly iff the window rule says so, or ``j`` is kept and the
+layer is at or after the deciding one.
+
 Bits: a kept (token, head) stores its key and value at 16 bits and one 4-byte position, on top
 of its codes (kept so the selection can change without re-encoding): over a prompt of ``T``
 tokens that adds ``budget / T * (16 + 16 / d)`` bits per element on each side (a shared set
@@ -56,14 +74,33 @@ class SalientSpec:
     shared: bool = False
     after: int | None = None  # asymmetric pooling: a token within ``after`` positions past a peak
     rule: str = "obs"  # "obs" | "echo" (:func:`echo_scores`) | "both": half the budget each
+    block: int | None = None  # streaming: keep ``budget`` of every ``block`` positions (echo, shared)
+    layer: int = 0  # streaming: decided at this layer from the echo of layers 0..layer, read from it on
 
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"salient rule {self.rule!r}: allowed {RULES}")
+        if self.block is not None and (self.rule != "echo" or not self.shared or not 0 < self.budget <= self.block):
+            raise ValueError(f"a streaming salient spec (block) needs the echo rule, one shared set and "
+                             f"0 < budget <= block, got {self}")
+        if self.layer < 0 or (self.layer and self.block is None):
+            raise ValueError(f"a deciding layer needs a streaming spec (block) and layer >= 0, got {self}")
         if self.budget < 0 or self.obs < 1 or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"salient spec needs budget >= 0, obs >= 1 and an odd pool >= 1, got {self}")
         if self.after is not None and self.after < 0:
             raise ValueError(f"salient spec needs after >= 0, got {self}")
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past ``p`` whose scores the streaming score of ``p`` reads (the running
+        median's half window, and the pool's reach ahead)."""
+        return ECHO_WINDOW // 2 + self.reach[0]
+
+    def check_windows(self, sink: int, recent: int) -> None:
+        """A streaming spec needs every token exact until its block is decided."""
+        if self.block is not None and self.block + self.lookahead > recent:
+            raise ValueError(f"salient blocks of {self.block} positions are decided {self.lookahead} positions "
+                             f"after they end: that needs a recent window >= {self.block + self.lookahead}, got {recent}")
 
     @property
     def reach(self) -> tuple[int, int]:
@@ -102,6 +139,46 @@ def echo_scores(probs: torch.Tensor, sink: int) -> torch.Tensor:
     needle's value, which follows them, is kept."""
     lo, hi = echo_span(sink)
     return probs[..., lo:hi].float().sum((1, 3))
+
+
+def window_echo(scores: torch.Tensor, exact: torch.Tensor, cols: torch.Tensor, sink: int) -> torch.Tensor:
+    """scores [H, G, c, m] (logits of c queries over the keys at positions ``cols`` [m]), exact
+    [c, m] bool (the pairs the window rule reads exactly, causal) -> [H, c]: each query's softmax
+    over its exact keys only, summed over the prompt's head (:func:`echo_span`) and over the query
+    heads of each KV head. Reads no code: the same whatever the codes, the chunking or the cache."""
+    lo, hi = echo_span(sink)
+    p = torch.softmax(scores.float().masked_fill(~exact, float("-inf")), -1)
+    span = (cols >= lo) & (cols < hi)
+    return p[..., span].sum((1, 3))
+
+
+def block_horizon(k: int, spec: SalientSpec) -> int:
+    """Tokens that must be scored before block ``k`` is decided: its end plus the lookahead."""
+    return (k + 1) * spec.block + spec.lookahead
+
+
+def decided_blocks(upto: int, spec: SalientSpec) -> int:
+    """How many blocks are decided once the first ``upto`` tokens are scored."""
+    return max(0, (upto - spec.lookahead) // spec.block)
+
+
+def decide_blocks(total: torch.Tensor, upto: int, start: int, sink: int, spec: SalientSpec) -> torch.Tensor:
+    """total [>= upto] (the streaming echo of every token: :func:`window_echo` summed over layers
+    and heads) -> the kept positions (ascending) of blocks ``start`` .. ``decided_blocks(upto) - 1``:
+    each block's ``budget`` best positions ``>= sink`` by the running-median-detrended, pooled
+    score (ties to the lower position). Block k reads ``total[: block_horizon(k)]`` only."""
+    n = decided_blocks(upto, spec)
+    if n <= start:
+        return torch.empty(0, dtype=torch.long)
+    c = pooled(above_local_median(total[None, :upto].float()), spec.reach)[0]
+    out = []
+    for k in range(start, n):
+        lo, hi = max(k * spec.block, sink), (k + 1) * spec.block
+        if hi <= lo:
+            continue
+        order = torch.sort(-c[lo:hi], stable=True).indices[: spec.budget]
+        out.append(torch.sort(order + lo).values)
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
 
 def above_local_median(s: torch.Tensor, window: int = ECHO_WINDOW) -> torch.Tensor:

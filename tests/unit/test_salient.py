@@ -230,6 +230,102 @@ def test_echo_selection_uses_every_prompt_query_over_the_keys_as_served(model, m
     assert not torch.equal(p2.kept[0], probe.kept[0])
 
 
+def test_window_echo_reads_the_exact_keys_only():
+    """Each query's softmax over the pairs the window rule reads exactly, summed over [1, sink)
+    and the query heads of its KV head (brute force); the codes never enter it."""
+    g = torch.Generator().manual_seed(8)
+    cols = torch.tensor([0, 1, 2, 3, 7, 8, 9, 10, 11])
+    S = torch.randn(2, 3, 4, cols.numel(), generator=g)
+    t = torch.arange(8, 12)
+    exact = torch.tensor([[c < 4 or (int(i) - 3 <= c <= int(i)) for c in cols.tolist()] for i in t])
+    got = sal.window_echo(S, exact, cols, 4)
+    for h in range(2):
+        for r in range(4):
+            tot = 0.0
+            for q in range(3):
+                z = [float(S[h, q, r, j].exp()) if exact[r, j] else 0.0 for j in range(cols.numel())]
+                tot += sum(z[j] for j in range(cols.numel()) if 1 <= cols[j] < 4) / sum(z)
+            assert float(got[h, r]) == pytest.approx(tot, rel=1e-5)
+
+
+def _brute_blocks(total, upto, sink, spec):
+    """Block k kept: its spec.budget best positions >= sink by max over [p - after, p + before] of
+    (s - running median of the 65 around it, edges replicated), read from total[:upto] only."""
+    s = [float(x) for x in total[:upto]]
+    r, (before, after) = sal.ECHO_WINDOW // 2, spec.reach
+
+    def d(q):
+        win = sorted(s[min(upto - 1, max(0, j))] for j in range(q - r, q + r + 1))
+        return s[q] - win[r]
+    out = []
+    for k in range(sal.decided_blocks(upto, spec)):
+        cand = range(max(k * spec.block, sink), (k + 1) * spec.block)
+        c = {p: max(d(q) for q in range(max(0, p - after), min(upto, p + before + 1))) for p in cand}
+        out += sorted(sorted(cand, key=lambda p: (-c[p], p))[: spec.budget])
+    return out
+
+
+def test_blocks_are_decided_from_their_prefix_alone():
+    """decide_blocks == brute force, and a block's kept positions do not change as more tokens
+    are scored (the prefix decides them: shareable through a radix cache, chunking-invariant)."""
+    spec = sal.SalientSpec(5, shared=True, after=12, rule="echo", block=40)
+    assert spec.lookahead == 33 and sal.block_horizon(0, spec) == 73
+    assert [sal.decided_blocks(u, spec) for u in (72, 73, 112, 113)] == [0, 1, 1, 2]
+    g = torch.Generator().manual_seed(9)
+    total = torch.rand(400, generator=g, dtype=torch.float64)
+    total[150:152] += 3.0
+    full = sal.decide_blocks(total, 400, 0, 6, spec)
+    assert full.tolist() == _brute_blocks(total, 400, 6, spec)
+    assert full.numel() == 5 * sal.decided_blocks(400, spec) and int(full.min()) >= 6
+    assert {150, 151, 152, 160, 162} <= set(full.tolist())  # the peak and what follows it
+    for upto in (73, 150, 193, 230, 331):
+        part = sal.decide_blocks(total, upto, 0, 6, spec)
+        assert torch.equal(part, full[: part.numel()])
+        rest = sal.decide_blocks(total, 400, sal.decided_blocks(upto, spec), 6, spec)
+        assert torch.equal(torch.cat([part, rest]), full)
+    with pytest.raises(ValueError, match="recent window >= 73"):
+        spec.check_windows(4, 64)
+    for bad in ({"rule": "obs"}, {"shared": False}, {"budget": 41}):
+        with pytest.raises(ValueError, match="streaming"):
+            sal.SalientSpec(**{**dict(budget=5, shared=True, rule="echo", block=40), **bad})
+
+
+def test_streaming_selection_is_the_same_chunked_or_whole(model, method):
+    """The decode view's streaming selection: every forward's queries add their window echo (all
+    layers, heads) to one score per token, blocks are decided between forwards; the prompt read in
+    one forward or in uneven pieces keeps the same tokens and gives the same logits, the kept
+    tokens are read exactly (the logits move), and the decisions are decide_blocks of the scores."""
+    spec = sal.SalientSpec(3, shared=True, after=4, rule="echo", block=16, layer=1)
+    ids = torch.randint(0, V, (160,), generator=torch.Generator().manual_seed(10))
+    sink, recent = 4, 16 + spec.lookahead
+
+    def run(pieces, salient=spec):
+        cache = ae.ProbeCache(method)
+        probe = ae.Probe(cache, sink, recent, salient=salient, select_at=len(ids))
+        out, at = [], 0
+        with torch.no_grad(), ae.active(probe):
+            for n in pieces:
+                logits = model(ids[None, at: at + n], past_key_values=cache).logits[0]
+                out.append(logits)
+                at += n
+            for _ in range(3):
+                logits = model(out[-1][-1].argmax().view(1, 1), past_key_values=cache).logits[0]
+                out.append(logits)
+        return torch.cat(out), probe
+
+    whole, p1 = run([160])
+    pieces, p2 = run([37, 1, 70, 52])
+    plain, _ = run([160], salient=None)
+    assert torch.allclose(whole, pieces, atol=1e-4)
+    assert torch.equal(p1.kept["all"], p2.kept["all"])
+    kept = p1.kept["all"]
+    assert kept.numel() == 3 * sal.decided_blocks(163, spec) and p1.decided == sal.decided_blocks(163, spec)
+    assert torch.equal(kept, sal.decide_blocks(p1.stream, 163, 0, sink, spec))
+    assert torch.allclose(whole[:sal.block_horizon(0, spec)], plain[:sal.block_horizon(0, spec)], atol=1e-6)
+    assert not torch.allclose(whole[100:], plain[100:], atol=1e-4)  # past a horizon: kept tokens read exactly
+    assert p1.stream[0] == 0 and p1.stream[1:163].gt(0).all() and p1.stream[163:].eq(0).all()  # token 0: no head yet
+
+
 def test_top_union_splits_the_budget_between_two_rules():
     first = torch.zeros(1, 40)
     first[0, 10:20] = torch.arange(10, 0, -1).float()  # best by the first rule: 10, 11, 12, ...
@@ -315,8 +411,15 @@ def test_points_parse_and_bits():
     assert R.Point.parse("tasq:s8e").name == "tasq:64+256:s8e"
     b = R.Point.parse("tasq:64+256:S128a12b")
     assert b.salient().rule == "both" and b.name == "tasq:64+256:S128a12b" and b.slug != e.slug
+    st = R.Point.parse("tasq:64+256:S16/128L12a12e:first")
+    assert st.salient() == sal.SalientSpec(16, shared=True, after=12, rule="echo", block=128, layer=12)
+    assert st.name == "tasq:64+256:S16/128L12a12e:first" and R.Point.parse(st.name) == st and "/" not in st.slug
+    assert R.Point.parse("tasq:S16/128a12e").salient().layer == 0
+    want = 1.2915 + 5.12 + 16 / 128 * 16.25  # charged as 16 of every 128 tokens
+    assert R.bits_all_in(R.Point.parse("tasq:64+256:S16/128a12e"), (1.333, 1.25), 1000, 64) == pytest.approx(want, abs=1e-3)
     for bad in ("tasq:64", "tasq:s", "nosuch:64+256", "tasq:64+256:later:s3", "tasq:64+256:later:first",
-                "tasq:first:s3", "tasq:64+256:e", "tasq:64+256:S8ea2"):
+                "tasq:first:s3", "tasq:64+256:e", "tasq:64+256:S8ea2", "tasq:64+256:S16/128a12",
+                "tasq:64+256:s16/128a12e", "tasq:16+64:S16/128a12e", "tasq:64+256:S16L3a12e"):
         with pytest.raises(ValueError):
             R.Point.parse(bad)
     assert R.bits_all_in(R.Point.parse("bf16"), (16, 16), 1000, 64) == 16.0

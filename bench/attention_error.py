@@ -118,9 +118,8 @@ class Probe:
     kept: dict = field(default_factory=dict)
     scores: dict = field(default_factory=dict)  # layer -> [H, T] pooled selection scores (rule "obs" or "echo")
     echo: dict = field(default_factory=dict)  # layer -> [H, T] pooled echo scores (rule "both": half the budget)
-    stream: Optional[torch.Tensor] = None  # streaming spec (salient.block): each token's window echo, summed
+    stream: dict = field(default_factory=dict)  # streaming spec (salient.block): layer -> [H, cap] window echo
     decided: int = 0  # streaming: blocks decided so far
-    by_layer: Optional[list] = None  # streaming, if a list: each layer's window echo [T] of the forward
 
     def __post_init__(self):
         if self.salient is not None:
@@ -168,37 +167,38 @@ def _mix(q, kq, ke, vq, ve, a: int, b: int, sink: int, recent: int):
 
 
 def _window_echo(q, ke, a: int, b: int, sink: int, recent: int) -> torch.Tensor:
-    """[c]: :func:`salient.window_echo` of the queries at positions [a, b) (exact keys only),
-    summed over the KV heads."""
+    """[H, c]: :func:`salient.window_echo` of the queries at positions [a, b) (exact keys only)."""
     H, G, c, d = q.shape
     lo = max(0, a + 1 - recent)
     cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
     E = query_window(torch.arange(a, b), cols, sink, recent) & (cols[None] <= torch.arange(a, b)[:, None])
     Se = torch.bmm(q.reshape(H, G * c, d), ke[:, cols].transpose(1, 2)).view(H, G, c, -1)
-    return sal.window_echo(Se, E, cols, sink).sum(0)
+    return sal.window_echo(Se, E, cols, sink)
+
+
+def stream_rows(p: "Probe", upto: int) -> torch.Tensor:
+    """[(layers so far) * H, upto]: the streaming echo rows of the first ``upto`` tokens, layer-major."""
+    return torch.cat([p.stream[i][:, :upto] for i in sorted(p.stream)])
 
 
 def _stream(p: "Probe", q, ke, T: int, n: int, layer: int, H: int) -> None:
-    """Streaming salient tokens, layers up to the deciding one (``salient.layer``): add this
-    forward's queries' window echo to each token's score; at the deciding layer, decide every block
-    the scored tokens reach, before its attention (so a query past a block's horizon reads that
+    """Streaming salient tokens, layers up to the deciding one (``salient.layer``): record this
+    forward's queries' window echo (per KV head); at the deciding layer, decide every block the
+    scored tokens reach, before its attention (so a query past a block's horizon reads that
     block's kept tokens in the same forward: the same whether the prompt comes whole or chunked)."""
-    if p.stream is None or p.stream.numel() < T:
-        grown = torch.zeros(max(T, 2 * (0 if p.stream is None else p.stream.numel()), 1024), dtype=torch.float64)
-        if p.stream is not None:
-            grown[: p.stream.numel()] = p.stream
-        p.stream = grown
-    mine = torch.zeros(n, dtype=torch.float64)
+    row = p.stream.get(layer)
+    if row is None or row.shape[1] < T:
+        grown = torch.zeros(H, max(T, 2 * (0 if row is None else row.shape[1]), 1024), dtype=torch.float64)
+        if row is not None:
+            grown[:, : row.shape[1]] = row
+        p.stream[layer] = row = grown
     for s in range(0, n, p.chunk):
         e = min(n, s + p.chunk)
-        mine[s:e] = _window_echo(q[:, :, s:e], ke, T - n + s, T - n + e, p.sink, p.recent).double()
-    p.stream[T - n: T] += mine
-    if p.by_layer is not None:
-        p.by_layer.append(mine)
+        row[:, T - n + s: T - n + e] = _window_echo(q[:, :, s:e], ke, T - n + s, T - n + e, p.sink, p.recent).double()
     if layer == p.salient.layer:
         k = sal.decided_blocks(T, p.salient)
         if k > p.decided:
-            new = sal.decide_blocks(p.stream, T, p.decided, p.sink, p.salient)
+            new = sal.decide_blocks(stream_rows(p, T), T, p.decided, p.sink, p.salient)
             p.decided = k
             p.kept["all"] = torch.cat([p.kept.get("all", torch.empty(0, dtype=torch.long)), new])
 

@@ -69,8 +69,7 @@ def selection(model, tok, method, point: Point, sample: dict) -> dict:
         raise ValueError(f"point {point.name} keeps no salient tokens: nothing to measure")
     ids = torch.tensor(tok(sample["prompt"], add_special_tokens=False)["input_ids"])
     T = question_split(tok, sample) if point.later else len(ids)
-    probe = Probe(ProbeCache(method), point.sink, point.recent, salient=spec, select_at=T,
-                  by_layer=[] if spec.block is not None else None)
+    probe = Probe(ProbeCache(method), point.sink, point.recent, salient=spec, select_at=T)
     with torch.no_grad(), active(probe):
         model.model(input_ids=ids[:T][None], past_key_values=probe.cache, use_cache=True)
     lo, hi = sal.candidates(T, point.sink, point.recent)
@@ -116,7 +115,10 @@ def _streaming_record(probe, spec, sample, tok, T: int, lo: int, hi: int) -> dic
     kept = probe.kept.get("all", torch.empty(0, dtype=torch.long))
     rec["kept"] = kept.tolist()
     rec["recall"] = sum(p in set(rec["kept"]) for p in cand) / len(cand)
-    c = sal.pooled(sal.above_local_median(probe.stream[None, :T].float()), spec.reach)[0]
+    from .attention_error import stream_rows
+
+    rows = stream_rows(probe, T)
+    c = sal.pooled(sal.above_local_median(rows.float()), spec.reach).sum(0)
     ranks = []
     for p in cand:
         b0 = max(p // spec.block * spec.block, probe.sink)
@@ -125,11 +127,10 @@ def _streaming_record(probe, spec, sample, tok, T: int, lo: int, hi: int) -> dic
     rec["best_rank"] = min(ranks)
     # the same budget decided at each layer instead (layers up to the point's own: one forward
     # holds their echo, which no kept token changes before the deciding layer)
-    cand_set, acc, by = set(cand), torch.zeros(T, dtype=torch.float64), []
-    for layer, e in enumerate(probe.by_layer[: spec.layer + 1]):
-        acc += e
-        kept_l = set(sal.decide_blocks(acc, T, 0, probe.sink, spec).tolist())
-        by.append(round(sum(p in kept_l for p in cand_set) / len(cand_set), 4))
+    H, by = rows.shape[0] // (spec.layer + 1), []
+    for layer in range(spec.layer + 1):
+        kept_l = set(sal.decide_blocks(rows[: (layer + 1) * H], T, 0, probe.sink, spec).tolist())
+        by.append(round(sum(p in kept_l for p in cand) / len(cand), 4))
     rec["recall_by_layer"] = by
     return rec
 

@@ -28,10 +28,10 @@ server does not know where its prompts put the question).
 The streaming form (``SalientSpec.block``: keep ``budget`` of every ``block`` positions, echo
 rule, one set per request), the one a server can run: a prompt token's echo is its attention to
 the prompt's head *within the exact keys alone* (the window rule's sink and recent window,
-:func:`window_echo`), summed over layers and heads into one number per token; block ``k``
-(positions ``[k N, (k+1) N)``) keeps its ``budget`` best by the detrended, pooled scores as soon
-as the tokens up to :func:`block_horizon` have been scored (:func:`decide_blocks`). The scores
-summed are those of layers ``0 .. SalientSpec.layer``, and the kept tokens are read exactly from
+:func:`window_echo`) per (layer, KV head); block ``k`` (positions ``[k N, (k+1) N)``) keeps its
+``budget`` best by the detrended, pooled scores summed over layers and heads as soon as the
+tokens up to :func:`block_horizon` have been scored (:func:`decide_blocks`). The layers are
+``0 .. SalientSpec.layer``, and the kept tokens are read exactly from
 that layer on: a forward computes the echo of its own queries at a layer before that layer's
 attention, so the deciding layer can apply a block decided inside the same forward, and a
 prompt read whole or in chunks keeps the same tokens and attends the same way (a sum over every
@@ -162,15 +162,18 @@ def decided_blocks(upto: int, spec: SalientSpec) -> int:
     return max(0, (upto - spec.lookahead) // spec.block)
 
 
-def decide_blocks(total: torch.Tensor, upto: int, start: int, sink: int, spec: SalientSpec) -> torch.Tensor:
-    """total [>= upto] (the streaming echo of every token: :func:`window_echo` summed over layers
-    and heads) -> the kept positions (ascending) of blocks ``start`` .. ``decided_blocks(upto) - 1``:
-    each block's ``budget`` best positions ``>= sink`` by the running-median-detrended, pooled
-    score (ties to the lower position). Block k reads ``total[: block_horizon(k)]`` only."""
+def decide_blocks(rows: torch.Tensor, upto: int, start: int, sink: int, spec: SalientSpec) -> torch.Tensor:
+    """rows [X, >= upto] (the streaming echo of every token, one row per (layer, KV head) of the
+    layers up to the deciding one: :func:`window_echo`; a 1-D tensor is one row) -> the kept
+    positions (ascending) of blocks ``start`` .. ``decided_blocks(upto) - 1``: each block's
+    ``budget`` best positions ``>= sink`` by the score each row gives after its running median is
+    taken out and it is pooled, summed over rows (ties to the lower position). Block k reads
+    ``rows[:, : block_horizon(k)]`` only."""
     n = decided_blocks(upto, spec)
     if n <= start:
         return torch.empty(0, dtype=torch.long)
-    c = pooled(above_local_median(total[None, :upto].float()), spec.reach)[0]
+    rows = rows[None] if rows.dim() == 1 else rows
+    c = pooled(above_local_median(rows[:, :upto].float()), spec.reach).sum(0)
     out = []
     for k in range(start, n):
         lo, hi = max(k * spec.block, sink), (k + 1) * spec.block

@@ -248,19 +248,23 @@ def test_window_echo_reads_the_exact_keys_only():
             assert float(got[h, r]) == pytest.approx(tot, rel=1e-5)
 
 
-def _brute_blocks(total, upto, sink, spec):
-    """Block k kept: its spec.budget best positions >= sink by max over [p - after, p + before] of
-    (s - running median of the 65 around it, edges replicated), read from total[:upto] only."""
-    s = [float(x) for x in total[:upto]]
+def _brute_blocks(rows, upto, sink, spec):
+    """Block k kept: its spec.budget best positions >= sink by the sum over rows of max over
+    [p - after, p + before] of (s - running median of the 65 around it, edges replicated), read
+    from rows[:, :upto] only."""
     r, (before, after) = sal.ECHO_WINDOW // 2, spec.reach
 
-    def d(q):
+    def d(s, q):
         win = sorted(s[min(upto - 1, max(0, j))] for j in range(q - r, q + r + 1))
         return s[q] - win[r]
     out = []
     for k in range(sal.decided_blocks(upto, spec)):
         cand = range(max(k * spec.block, sink), (k + 1) * spec.block)
-        c = {p: max(d(q) for q in range(max(0, p - after), min(upto, p + before + 1))) for p in cand}
+        c = {p: 0.0 for p in cand}
+        for row in rows:
+            s = [float(x) for x in row[:upto]]
+            for p in cand:
+                c[p] += max(d(s, q) for q in range(max(0, p - after), min(upto, p + before + 1)))
         out += sorted(sorted(cand, key=lambda p: (-c[p], p))[: spec.budget])
     return out
 
@@ -272,22 +276,26 @@ def test_blocks_are_decided_from_their_prefix_alone():
     assert spec.lookahead == 33 and sal.block_horizon(0, spec) == 73
     assert [sal.decided_blocks(u, spec) for u in (72, 73, 112, 113)] == [0, 1, 1, 2]
     g = torch.Generator().manual_seed(9)
-    total = torch.rand(400, generator=g, dtype=torch.float64)
-    total[150:152] += 3.0
-    full = sal.decide_blocks(total, 400, 0, 6, spec)
-    assert full.tolist() == _brute_blocks(total, 400, 6, spec)
+    rows = torch.rand(3, 400, generator=g, dtype=torch.float64)
+    rows[1, 150:152] += 3.0
+    full = sal.decide_blocks(rows, 400, 0, 6, spec)
+    assert full.tolist() == _brute_blocks(rows, 400, 6, spec)
     assert full.numel() == 5 * sal.decided_blocks(400, spec) and int(full.min()) >= 6
-    assert {150, 151, 152, 160, 162} <= set(full.tolist())  # the peak and what follows it
+    kept = full.tolist()  # the peak (one row) and what follows it, in its block and the next
+    assert all(149 <= p < 160 for p in kept if 120 <= p < 160) and len({160, 161, 162, 163} & set(kept)) == 4
+    assert sal.decide_blocks(rows[0], 400, 0, 6, spec).tolist() == _brute_blocks(rows[:1], 400, 6, spec)
     for upto in (73, 150, 193, 230, 331):
-        part = sal.decide_blocks(total, upto, 0, 6, spec)
+        part = sal.decide_blocks(rows, upto, 0, 6, spec)
         assert torch.equal(part, full[: part.numel()])
-        rest = sal.decide_blocks(total, 400, sal.decided_blocks(upto, spec), 6, spec)
+        rest = sal.decide_blocks(rows, 400, sal.decided_blocks(upto, spec), 6, spec)
         assert torch.equal(torch.cat([part, rest]), full)
     with pytest.raises(ValueError, match="recent window >= 73"):
         spec.check_windows(4, 64)
     for bad in ({"rule": "obs"}, {"shared": False}, {"budget": 41}):
         with pytest.raises(ValueError, match="streaming"):
             sal.SalientSpec(**{**dict(budget=5, shared=True, rule="echo", block=40), **bad})
+    with pytest.raises(ValueError, match="deciding layer"):
+        sal.SalientSpec(5, shared=True, rule="echo", layer=2)
 
 
 def test_streaming_selection_is_the_same_chunked_or_whole(model, method):
@@ -320,10 +328,12 @@ def test_streaming_selection_is_the_same_chunked_or_whole(model, method):
     assert torch.equal(p1.kept["all"], p2.kept["all"])
     kept = p1.kept["all"]
     assert kept.numel() == 3 * sal.decided_blocks(163, spec) and p1.decided == sal.decided_blocks(163, spec)
-    assert torch.equal(kept, sal.decide_blocks(p1.stream, 163, 0, sink, spec))
+    assert torch.equal(kept, sal.decide_blocks(ae.stream_rows(p1, 163), 163, 0, sink, spec))
     assert torch.allclose(whole[:sal.block_horizon(0, spec)], plain[:sal.block_horizon(0, spec)], atol=1e-6)
     assert not torch.allclose(whole[100:], plain[100:], atol=1e-4)  # past a horizon: kept tokens read exactly
-    assert p1.stream[0] == 0 and p1.stream[1:163].gt(0).all() and p1.stream[163:].eq(0).all()  # token 0: no head yet
+    rows = ae.stream_rows(p1, p1.stream[0].shape[1])
+    assert sorted(p1.stream) == [0, 1] and rows.shape[0] == 2 * 2  # layers 0..1 x 2 KV heads
+    assert rows[:, 0].eq(0).all() and rows[:, 1:163].gt(0).all() and rows[:, 163:].eq(0).all()  # token 0: no head yet
 
 
 def test_top_union_splits_the_budget_between_two_rules():

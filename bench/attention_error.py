@@ -167,13 +167,13 @@ def _mix(q, kq, ke, vq, ve, a: int, b: int, sink: int, recent: int):
 
 
 def _window_echo(q, ke, a: int, b: int, sink: int, recent: int) -> torch.Tensor:
-    """[H, c]: :func:`salient.window_echo` of the queries at positions [a, b) (exact keys only)."""
+    """[H, c]: :func:`salient.query_echo` of the queries at positions [a, b) (q [H, G, c, d] already
+    scaled; exact keys ``ke`` [H, T, d])."""
     H, G, c, d = q.shape
     lo = max(0, a + 1 - recent)
     cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
-    E = query_window(torch.arange(a, b), cols, sink, recent) & (cols[None] <= torch.arange(a, b)[:, None])
-    Se = torch.bmm(q.reshape(H, G * c, d), ke[:, cols].transpose(1, 2)).view(H, G, c, -1)
-    return sal.window_echo(Se, E, cols, sink)
+    qs = q.permute(2, 0, 1, 3).reshape(c, H * G, d)
+    return sal.query_echo(qs, ke[:, cols].transpose(0, 1), torch.arange(a, b), cols, sink, recent, 1.0).T
 
 
 def stream_rows(p: "Probe", upto: int) -> torch.Tensor:

@@ -84,6 +84,14 @@ class TaSQConfig:
     mix_layers: tuple = ()
     mix_group_size_k: int = 4
     mix_codebook_size_k: int = 256
+    # salient tokens kept exact at serving time (issue 14), by the streaming echo rule of
+    # sglang_tasq.salient: salient_budget of every salient_block positions, each block decided
+    # from the prefix at layer salient_layer (from the echo of layers 0..salient_layer) and read
+    # exactly from that layer on, pooled salient_after positions forward. 0: none.
+    salient_budget: int = 0
+    salient_block: int = 192
+    salient_layer: int = 0
+    salient_after: int = 12
 
     def __post_init__(self) -> None:
         if isinstance(self.mix_layers, list):  # from JSON
@@ -127,6 +135,22 @@ class TaSQConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         self._check_mix()
+        try:
+            spec = self.salient_spec()
+            if spec is not None:
+                spec.check_windows(self.sink_window, self.recent_window)
+        except ValueError as e:
+            raise ConfigError(f"salient_budget={self.salient_budget}, salient_block={self.salient_block}, "
+                              f"salient_layer={self.salient_layer}, salient_after={self.salient_after}: {e}") from None
+
+    def salient_spec(self):
+        """The :class:`sglang_tasq.salient.SalientSpec` the server keeps salient tokens by, or None."""
+        if not self.salient_budget:
+            return None
+        from .salient import SalientSpec
+
+        return SalientSpec(self.salient_budget, shared=True, after=self.salient_after, rule="echo",
+                           block=self.salient_block, layer=self.salient_layer)
 
     def _check_mix(self) -> None:
         layers = self.mix_layers
@@ -187,7 +211,9 @@ class TaSQConfig:
         return max(1, math.ceil(math.log2(self.key_rate(layer)[1])))
 
     def check_layers(self, num_layers: int) -> None:
-        """The mixed layers must exist in the model."""
+        """The mixed layers and the salient tokens' deciding layer must exist in the model."""
+        if self.salient_budget and self.salient_layer >= num_layers:
+            raise ConfigError(f"salient_layer={self.salient_layer}: the model has layers 0..{num_layers - 1}")
         bad = [i for i in self.mix_layers if i >= num_layers]
         if bad:
             raise ConfigError(f"mix_layers {bad}: the model has layers 0..{num_layers - 1}")

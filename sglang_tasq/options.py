@@ -69,6 +69,9 @@ class ServeOptions:
     window_rows: Optional[int] = None
     cpu_kernels: bool = True
     cuda_view_tokens: int = DEFAULT_CUDA_VIEW_TOKENS
+    # tokens one forward writes at most (chunked prefill size, else max prefill tokens): with
+    # salient tokens each new token holds an exact entry until its block is decided
+    forward_tokens: int = 16384
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ServeOptions":

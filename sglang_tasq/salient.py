@@ -152,6 +152,27 @@ def window_echo(scores: torch.Tensor, exact: torch.Tensor, cols: torch.Tensor, s
     return p[..., span].sum((1, 3))
 
 
+def query_echo(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, cols: torch.Tensor, sink: int, recent: int,
+               scale: float, block: int = 256) -> torch.Tensor:
+    """q [c, Hq, d] (post-RoPE queries at positions ``q_pos`` [c]), k [m, H, d] (the exact
+    post-RoPE keys at positions ``cols`` [m]: at least each query's sink and recent window) ->
+    [c, H] :func:`window_echo` of each query (fp32 logits ``scale * q . k``; queries in blocks)."""
+    from .windows import query_window
+
+    c, Hq, d = q.shape
+    H = k.shape[1]
+    kh = k.float().permute(1, 2, 0)  # [H, d, m]
+    out = torch.empty(c, H, dtype=torch.float32, device=q.device)
+    for a in range(0, c, block):
+        b = min(c, a + block)
+        qp = q_pos[a:b]
+        E = query_window(qp, cols, sink, recent) & (cols[None] <= qp[:, None])
+        qh = q[a:b].float().view(b - a, H, Hq // H, d).permute(1, 2, 0, 3).reshape(H, -1, d)  # [H, G*n, d]
+        S = torch.bmm(qh * scale, kh).view(H, Hq // H, b - a, -1)
+        out[a:b] = window_echo(S, E, cols, sink).T
+    return out
+
+
 def block_horizon(k: int, spec: SalientSpec) -> int:
     """Tokens that must be scored before block ``k`` is decided: its end plus the lookahead."""
     return (k + 1) * spec.block + spec.lookahead

@@ -36,13 +36,21 @@ def query_window(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: in
     return (k_pos[None, :] < sink) | (k_pos[None, :] >= q_pos[:, None] + 1 - recent)
 
 
-def exact_prefix_limit(has_exact: torch.Tensor, sink: int, recent: int) -> int:
+def exact_prefix_limit(has_exact: torch.Tensor, sink: int, recent: int, kept: torch.Tensor | None = None) -> int:
     """Longest usable prefix ``P' <= P`` of a matched prefix of ``P`` tokens whose entry
     presence is ``has_exact`` [P] bool: the first recomputed query sits at position ``P'`` and
-    needs the entries of ``j < min(sink, P')`` and of ``P' + 1 - recent <= j < P'``."""
+    needs the entries of ``j < min(sink, P')`` and of ``P' + 1 - recent <= j < P'``, and of every
+    kept (salient) position ``j < P'`` (``kept`` [P] bool)."""
     P = int(has_exact.numel())
     if P == 0:
         return 0
+    if kept is not None:
+        lost = torch.nonzero(kept.to(torch.bool).cpu() & ~has_exact.to(torch.bool).cpu())
+        if lost.numel():
+            P = int(lost[0])
+            has_exact = has_exact[:P]
+            if P == 0:
+                return 0
     miss = ~has_exact.to(torch.bool).cpu()
     sink_miss = torch.nonzero(miss[: min(sink, P)])
     if sink_miss.numel():
@@ -70,12 +78,41 @@ def store_entries(sink: int, recent: int, rows: int) -> int:
     return max(1, int(rows)) * (sink + 2 * recent)
 
 
-def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int) -> int:
-    """Bytes of the exact store for ``rows`` running requests: bf16 keys + values of every layer
-    plus owner and stamp per entry, and its free list (the per-slot index is
-    :data:`SLOT_INDEX_BYTES`, charged per token slot)."""
-    E = store_entries(cfg.sink_window, cfg.recent_window, rows)
-    return (E + 1) * (2 * num_kv_heads * head_dim * 2 * num_layers + 16) + E * 8
+def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int) -> int:
+    """Bytes of one exact-store entry: bf16 keys + values of every layer, owner, stamp, free list."""
+    return 2 * num_kv_heads * head_dim * 2 * num_layers + 24
+
+
+def salient_entries(cfg, num_slots: int, forward_tokens: int) -> int:
+    """Entries the salient tokens (``cfg.salient_budget``) need on top of the windows: ``budget /
+    block`` of every slot, and one per token a forward writes (each holds an entry until its block
+    is decided); 0 without."""
+    if not cfg.salient_budget:
+        return 0
+    return -(-int(num_slots) * cfg.salient_budget // cfg.salient_block) + int(forward_tokens)
+
+
+def echo_row_width(cfg, num_kv_heads: int) -> int:
+    """fp16 echo scores per slot with salient tokens: one per (layer up to the deciding one, KV head)."""
+    return (cfg.salient_layer + 1) * num_kv_heads if cfg.salient_budget else 0
+
+
+def salient_bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
+    """Bytes per token slot the salient tokens add: their share of exact entries, the slot's echo
+    scores (fp16) and its kept flag."""
+    if not cfg.salient_budget:
+        return 0
+    share = cfg.salient_budget / cfg.salient_block * entry_bytes(num_kv_heads, head_dim, num_layers)
+    return share + 2 * echo_row_width(cfg, num_kv_heads) + 1
+
+
+def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int, forward_tokens: int = 0) -> int:
+    """Fixed bytes of the exact store for ``rows`` running requests (and, with salient tokens, the
+    entries of one forward's new tokens; their per-slot share is charged per token slot by
+    :func:`salient_bytes_per_token`): bf16 keys + values of every layer plus owner and stamp per
+    entry, and its free list (the per-slot index is :data:`SLOT_INDEX_BYTES`, charged per slot)."""
+    E = store_entries(cfg.sink_window, cfg.recent_window, rows) + (int(forward_tokens) if cfg.salient_budget else 0)
+    return (E + 1) * entry_bytes(num_kv_heads, head_dim, num_layers) - 8
 
 
 class ExactStoreFull(RuntimeError):
@@ -98,6 +135,9 @@ class ExactStore:
         self.k = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.entry_of = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        # salient tokens: a slot whose token its prefix chose to keep exact (read exactly by every
+        # later query from the deciding layer on); a property of the slot, reset when it is rewritten
+        self.kept = torch.zeros(num_slots, dtype=torch.uint8, device=device)
         self.owner = torch.full((E + 1,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.zeros(E + 1, dtype=torch.int64, device=device)
         self.clock = 1
@@ -107,7 +147,7 @@ class ExactStore:
 
     def nbytes(self) -> int:
         t = sum(x.numel() * x.element_size() for x in self.k + self.v)
-        return t + sum(x.numel() * 8 for x in (self.entry_of, self.owner, self.stamp, self._free))
+        return t + sum(x.numel() * 8 for x in (self.entry_of, self.owner, self.stamp, self._free)) + self.kept.numel()
 
     def tick(self) -> None:
         self.clock += 1
@@ -138,6 +178,7 @@ class ExactStore:
         ``keep``, none (and any old one dropped) elsewhere -> entries [T] (0 = not kept).
         ``pinned()`` -> slots that must not be evicted (called only when eviction is needed)."""
         keep = keep.to(torch.bool)
+        self.kept[slots] = 0  # new tokens: not kept until their block is decided
         if bool((~keep).any()):
             self.release_slots(slots[~keep])
         old = self.entry_of[slots]

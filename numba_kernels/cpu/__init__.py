@@ -21,7 +21,7 @@ Modules (split the way the CUDA half of :mod:`numba_kernels` is):
 - ``bitpack``: the one Numba bit-pack loop (``_pack_row``, used by :func:`pack` and the fused
   encoder's row writer), :func:`pack` / :func:`unpack`, ``_codes_row`` (the decode kernel's reader).
 - ``decode``: the split-K decode attention kernel and ``_window_entry`` (the Numba twin of
-  ``sglang_tasq.windows.in_window``).
+  ``sglang_tasq.windows.in_window``, or'd with a per-slot kept flag: salient tokens).
 - ``encode``: the fused pool encode kernels (key un-rotation and tailoring, row writer, the
   one-call decode-step encoder ``_encode_small``).
 - ``ops``: the host-side launch objects: :class:`DecodeTables`, :class:`DecodePlan`,

@@ -1,7 +1,13 @@
 """Decode attention over the packed pool: the split-K kernel ``_decode_attention`` (one query
 per request at position ``S - 1``; keys and values decoded from their codes, or read from the
-bf16 exact-store entry inside the window), ``_window_entry``, the window rule in Numba, and
-the kernel's vectorizable float32 exp ``_exp_le0``.
+slot's bf16 exact-store entry), ``_window_entry``, the exact-read rule in Numba, and the
+kernel's vectorizable float32 exp ``_exp_le0``.
+
+The rule: position t of a request of length S, held in ``slot``, is read exactly iff it is in
+the window (``t < sink or t >= S - recent``) or its slot is kept (``kept[slot] != 0``: a
+salient token, kept per slot and per call), and the slot has an entry (``entry_of[slot] > 0``);
+everything else is read from codes. No windows (empty ``entry_of``) reads codes everywhere, kept
+or not; no kept tokens (empty ``kept``) is the window rule alone.
 Launched through :class:`~numba_kernels.cpu.ops.DecodePlan`.
 """
 from __future__ import annotations
@@ -16,15 +22,18 @@ from .bitpack import _codes_row
 
 
 @njit(cache=True, inline="always")
-def _window_entry(entry_of, slot, t, S, sink, recent):
+def _window_entry(entry_of, kept, slot, t, S, sink, recent):
     """Exact-store entry read for position t of a request of length S held in ``slot``, or -1
-    (codes): the entry where t is in the window and the slot has one (``entry_of[slot] > 0``).
+    (codes): the entry where t is in the window or the slot is kept (``kept[slot] != 0``), and
+    the slot has one (``entry_of[slot] > 0``).
 
     The window test ``t < sink or t >= S - recent`` is the Numba twin of
     :func:`sglang_tasq.windows.in_window` (the one definition of the rule; Numba cannot call
-    torch), held equal to it by ``tests/kernels/test_cpu_window_twin.py``. An empty
-    ``entry_of`` (no windows) reads codes everywhere."""
-    if entry_of.shape[0] > 0 and (t < sink or t >= S - recent):
+    torch); with ``kept`` the rule is ``in_window(...) | kept[slot]``, held equal to it by
+    ``tests/kernels/test_cpu_window_twin.py``. ``kept``: uint8 [>= slots] (non-zero = kept), or
+    empty (no kept tokens: the window rule alone, one length test more than it). An empty
+    ``entry_of`` (no windows) reads codes everywhere, kept or not."""
+    if entry_of.shape[0] > 0 and ((t < sink or t >= S - recent) or (kept.shape[0] > 0 and kept[slot] != 0)):
         e = entry_of[slot]
         if e > 0:
             return e
@@ -58,7 +67,7 @@ def _exp_le0(x):
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
-                      scale_mode, cos_t, sin_t, composed, entry_of, win_k, win_v, sink, recent, sm_scale,
+                      scale_mode, cos_t, sin_t, composed, entry_of, kept, win_k, win_v, sink, recent, sm_scale,
                       chunk, nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
@@ -80,10 +89,12 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     (3) Values decoded (vector copies of the codewords when g = 8) and accumulated, one
     d-long axpy per query head. Each split leaves its max logit, exp-sum and unnormalized
     output in part_m/part_l/part_o; a serial merge after the parallel loop combines them (no
-    second thread launch). A token inside the window of S is read from its slot's bf16
-    exact-store entry (``entry_of[slot]``, 0 = none; ``win_k``/``win_v`` [E + 1, 1, H, d]) in
-    native pair order (no permutation to gather). The key row's scales follow its codes: head
-    h reads scale ``h // (H / n_scales)``. fastmath: sums are reassociated (vectorized)."""
+    second thread launch). A token inside the window of S, or in a kept slot (``kept[slot] !=
+    0``; ``kept`` uint8 [>= slots], or empty: none kept), is read from its slot's bf16
+    exact-store entry where it has one (``entry_of[slot]``, 0 = none; ``win_k``/``win_v``
+    [E + 1, 1, H, d]; :func:`_window_entry`) in native pair order (no permutation to
+    gather). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
+    fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
@@ -148,15 +159,15 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
             for p in range(P):
                 na_[r, p] = q[b, h * rep + r, p]
                 nb_[r, p] = q[b, h * rep + r, P + p]
-        # pass 1: each token's window entry, key scale and codes, its codewords prefetched (a
-        # layer's codebooks are not in cache: the loads of the passes below then overlap)
+        # pass 1: each token's exact entry (window or kept), key scale and codes, its codewords
+        # prefetched (a layer's codebooks are not in cache: the loads of the passes below overlap)
         wid = np.empty(na, np.int64)
         sc = np.empty(na, np.float32)
         zk = np.empty((na, Gk), np.int64)
         zv = np.empty((na, Gv), np.int64)
         for i in range(nt):
             slot = indices[beg + t_lo + i]
-            w = _window_entry(entry_of, slot, t_lo + i, S, sink, recent)
+            w = _window_entry(entry_of, kept, slot, t_lo + i, S, sink, recent)
             wid[i] = w
             if w < 0:
                 s = np.float32(1.0)

@@ -15,6 +15,7 @@ from .decode import _decode_attention
 from .encode import _encode_small, _tailor_keys, _write_rows
 from .search import _ARGMIN_CHUNK, _search, prepare
 
+_NO_KEPT = np.zeros(0, np.uint8)  # no kept slots (the window rule alone)
 SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
 ROPE_COMPOSE_TOL = 1e-3  # |table - composed| / m allowed where the decode kernel composes RoPE rows
 
@@ -94,7 +95,10 @@ class DecodePlan:
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``; cos/sin [>= max S, d/2] float32 RoPE tables
     (attention scaling included); entry_of [slots] int64: each slot's exact-store entry (0 =
     none; read through a view, so entries assigned after the plan is built are seen), None
-    without windows. split_tokens: positions per split-K range (default
+    without windows. Position t of request b is read exactly (from its slot's entry) iff it is
+    in the window of S_b (:func:`sglang_tasq.windows.in_window`) or its slot is kept (the
+    per-call ``kept`` of :meth:`__call__`), and the slot has an entry; from codes otherwise.
+    split_tokens: positions per split-K range (default
     :data:`SPLIT_TOKENS`); fixed, not chosen from the batch, so every request gets the same
     floating-point answer alone or in any batch. code_bytes_k: the key code bytes per row every
     layer has, checked against each layer's tables; None: each layer's own
@@ -117,6 +121,7 @@ class DecodePlan:
             if entry_of.dtype != torch.int64 or not entry_of.is_contiguous():
                 raise TypeError("entry_of must be a contiguous int64 tensor (it is read through a view)")
             self.entry_of = entry_of.numpy()
+        self.slots = int(self.indices.max()) + 1 if self.indices.shape[0] else 0  # kept covers slots 0..this-1
         max_len = int((self.indptr[1:] - self.indptr[:-1]).max()) if B else 0
         self.chunk = int(split_tokens or SPLIT_TOKENS)
         if self.chunk < 1:
@@ -130,10 +135,15 @@ class DecodePlan:
         self.composed = rope_composes(self.cos, self.sin, self.chunk, max_len)
 
     def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
-                 win_k=None, win_v=None) -> torch.Tensor:
+                 win_k=None, win_v=None, kept=None) -> torch.Tensor:
         """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
         k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [E + 1, 1, H, d]
-        bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views). -> [B, Hq, d] f32."""
+        bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views); kept: this
+        layer's kept (salient) slots, a contiguous uint8 or bool tensor (or numpy array) of
+        length >= max slot + 1, non-zero = kept: a kept slot with an entry is read exactly at
+        any position, besides the window (given per call: layers may differ; read through a
+        view). None: none kept (the window rule alone); ignored without windows.
+        -> [B, Hq, d] f32."""
         B, (Hq, H, d) = self.B, self.shape
         if tuple(q.shape) != (B, Hq, d):
             raise ValueError(f"decode plan: q has shape {tuple(q.shape)}, planned for {(B, Hq, d)}")
@@ -147,6 +157,9 @@ class DecodePlan:
                 if isinstance(w, torch.Tensor) and w.dtype != torch.bfloat16:
                     raise TypeError(f"window entries must be bfloat16, got {w.dtype}")
             wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
+        kp = _NO_KEPT if kept is None else self._kept(kept)
+        if wk is _NO_RING[0]:  # no windows: codes everywhere, kept or not
+            kp = _NO_KEPT
         cfg = self.cfg
         if self.code_bytes_k is not None and tables.code_bytes_k != self.code_bytes_k:
             raise ValueError(f"decode plan: planned for {self.code_bytes_k} key code bytes per row, the layer's "
@@ -154,9 +167,29 @@ class DecodePlan:
         _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
                           _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
                           tables.kw, tables.vcb, tables.bits_k, cfg.code_bits_v, tables.code_bytes_k, self.scale_mode,
-                          self.cos, self.sin, self.composed, self.entry_of, wk, wv, cfg.sink_window, cfg.recent_window,
-                          np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l, self.part_o, out)
+                          self.cos, self.sin, self.composed, self.entry_of, kp, wk, wv, cfg.sink_window,
+                          cfg.recent_window, np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l,
+                          self.part_o, out)
         return torch.from_numpy(out)
+
+    def _kept(self, kept) -> np.ndarray:
+        """``kept`` as the kernel reads it: a uint8 numpy view (no copy) of a contiguous uint8 or
+        bool tensor / array covering every slot of the plan."""
+        if isinstance(kept, torch.Tensor):
+            if kept.dtype not in (torch.uint8, torch.bool) or kept.dim() != 1 or not kept.is_contiguous():
+                raise TypeError(f"kept must be a contiguous 1-D uint8 or bool tensor (it is read through a view), "
+                                f"got {kept.dtype} {tuple(kept.shape)}")
+            kp = kept.view(torch.uint8).numpy()
+        elif isinstance(kept, np.ndarray):
+            if kept.dtype not in (np.uint8, np.bool_) or kept.ndim != 1 or not kept.flags.c_contiguous:
+                raise TypeError(f"kept must be a contiguous 1-D uint8 or bool array (it is read through a view), "
+                                f"got {kept.dtype} {kept.shape}")
+            kp = kept.view(np.uint8)
+        else:
+            raise TypeError(f"kept must be a uint8 or bool tensor or None, got {type(kept).__name__}")
+        if kp.shape[0] and kp.shape[0] < self.slots:
+            raise ValueError(f"kept has {kp.shape[0]} slots, the plan reads slots up to {self.slots - 1}")
+        return kp
 
 
 def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_indptr: torch.Tensor,

@@ -20,6 +20,13 @@ the chunking). Decode without the kernels reads the request through the pool and
 causal attention. CUDA path: :class:`sglang_tasq.srt.serve_cuda.TaSQCudaAdapter` (Numba
 encode into the pool, split-K kernels of ``numba_kernels.ops`` over a compact view of it),
 dispatched in :meth:`TaSQAttnBackend._forward`.
+
+Salient tokens (``config.salient_budget``; CPU path): at each layer up to the deciding one every
+new token's window echo is stored in its slot (:meth:`TaSQAttnBackend._salient_echo`); at the
+deciding layer, before its attention, the pool decides the blocks this forward completed
+(:meth:`pool.TaSQTokenToKVPool.decide_salient`); from that layer on every query reads kept slots
+exactly (extend: their decoded keys replaced by the exact ones; decode: the kernel's or the
+torch reader's kept test).
 """
 from __future__ import annotations
 
@@ -87,6 +94,7 @@ class TaSQAttnBackend(AttentionBackend):
         md["prefix_lens"] = [S - t for S, t in zip(md["seq_lens"], md["q_lens"])]
         self.pool.begin_forward(md["req_rows"], md["prefix_lens"], md["seq_lens"])
         md["positions"] = fb.positions.to(torch.int64)
+        md["out_loc"] = fb.out_cache_loc.to(torch.int64) if fb.out_cache_loc is not None else None
         if fb.out_cache_loc is not None and md["positions"].numel():
             md["win_targets"] = self.pool.window_targets(md["positions"], rows, tok_seq, fb.out_cache_loc)
         if self._decode_kernel and fb.forward_mode.is_decode() and not seq_lens.is_cuda:
@@ -133,6 +141,12 @@ class TaSQAttnBackend(AttentionBackend):
                 self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"], req_rows=md["rows"],
                                         seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
         H = layer.tp_k_head_num
+        pool = self.pool
+        if pool.salient is not None and layer.layer_id <= pool.salient.layer:
+            with prof.part("salient"):
+                self._salient_echo(q3, layer, md)
+                if layer.layer_id == pool.salient.layer:
+                    pool.decide_salient(md["req_rows"], md["prefix_lens"], md["seq_lens"])
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None
         v3 = v.reshape(-1, H, layer.v_head_dim) if exact else None
@@ -147,6 +161,32 @@ class TaSQAttnBackend(AttentionBackend):
             out[sl] = self._attend(q3[sl], layer, row, S, chunk).to(q.dtype)
             start += Tq
         return out.reshape(-1, Hq * layer.v_head_dim)
+
+    def _salient_echo(self, q3, layer, md) -> None:
+        """Salient tokens, a layer up to the deciding one: every new token's window echo
+        (:func:`salient.query_echo` over the exact keys its query reads by the window rule: the
+        store's bf16 pre-RoPE copies, which every new token has with salient tokens on) into its
+        slot's echo row."""
+        from .. import salient as sal
+
+        pool, cfg = self.pool, self.pool.tasq_config
+        sink, recent = cfg.sink_window, cfg.recent_window
+        lid = layer.layer_id - pool.start_layer
+        loc = md["out_loc"]
+        start = 0
+        for row, P, S, Tq in zip(md["req_rows"], md["prefix_lens"], md["seq_lens"], md["q_lens"]):
+            lo = max(0, P + 1 - recent)
+            cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, S)]).to(q3.device)
+            slots = self.req_to_token_pool.req_to_token[row, cols].to(torch.int64)
+            ent = pool.exact.entry_of[slots]
+            if not bool((ent > 0).all()):
+                raise RuntimeError(f"tasq: request row {row}: a window key of the salient echo has no exact entry")
+            cos, sin = self._cos_sin(S, q3.device)
+            k = rotate(pool.exact.k[lid][ent].float(), cos[cols], sin[cols])
+            qpos = torch.arange(P, S, device=q3.device)
+            echo = sal.query_echo(q3[start:start + Tq], k, qpos, cols, sink, recent, layer.scaling)
+            pool.record_echo(layer.layer_id, loc[start:start + Tq], echo)
+            start += Tq
 
     def _attend(self, q, layer, row: int, S: int, chunk=None) -> torch.Tensor:
         """q [Tq, Hq, d] post-RoPE at positions S-Tq..S-1 -> [Tq, Hq, d] f32, by the window rule of
@@ -181,15 +221,20 @@ class TaSQAttnBackend(AttentionBackend):
         sink, recent = cfg.sink_window, cfg.recent_window
         k_dec, v_dec = pool.read_codes(layer.layer_id, slots)
         k_ex, v_ex = k_dec.clone(), v_dec.clone()
+        kept = pool.kept_of(layer.layer_id, slots)  # salient tokens every query reads exactly
         if P:  # the prefix keys some query of the chunk reads exactly (begin_forward checked their entries)
             j = torch.arange(P, device=slots.device)
             need = (j < sink) | (j >= P + 1 - recent)
+            if kept is not None:
+                need = need | kept[:P]
             pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
         # the chunk's keys as the exact store keeps them (bf16 of the pre-RoPE key): a window key
         # has one rounding whether this forward wrote it or an earlier one (cold == warm)
         k_ex[P:] = rotate(chunk[0], cos[P:], sin[P:], inverse=True).to(torch.bfloat16).float()
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
         v_ex[P:] = chunk[1].float()
+        if kept is not None and bool(kept.any()):  # a kept token is exact for every query: its "codes" too
+            k_dec[kept], v_dec[kept] = k_ex[kept], v_ex[kept]
         return k_dec, k_ex, v_dec, v_ex
 
     def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
@@ -213,7 +258,9 @@ class TaSQAttnBackend(AttentionBackend):
                 pool.exact.entry_of if pool.exact is not None else None)
         npv = pool._np
         if pool.exact is not None:
-            return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling, npv["wk"][lid], npv["wv"][lid])
+            kept = pool.exact.kept if pool.reads_kept(layer.layer_id) else None
+            return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling, npv["wk"][lid], npv["wv"][lid],
+                        kept=kept)
         return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling)
 
     def _cos_sin(self, n: int, device):

@@ -138,7 +138,11 @@ def _served_options() -> options.ServeOptions:
     opts = options.ServeOptions.from_env()
     sa = get_server_args()
     mrr = getattr(sa, "max_running_requests", None) if sa is not None else None
-    return dataclasses.replace(opts, window_rows=int(mrr) if mrr else opts.rows())
+    chunk = getattr(sa, "chunked_prefill_size", None) if sa is not None else None
+    if not chunk or chunk <= 0:
+        chunk = getattr(sa, "max_prefill_tokens", None) if sa is not None else None
+    return dataclasses.replace(opts, window_rows=int(mrr) if mrr else opts.rows(),
+                               forward_tokens=int(chunk) if chunk and chunk > 0 else opts.forward_tokens)
 
 
 def _around_engine_init(original, self, *args, **kwargs):
@@ -183,7 +187,9 @@ def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
         return None
     art = _rank_artifact()
     fp = art.model
-    extra = windows.store_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, _served_options().rows())
+    opts = _served_options()
+    extra = windows.store_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, opts.rows(),
+                                opts.forward_tokens)
     self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra
     return None
 

@@ -23,6 +23,15 @@ queries read) and charged to the memory budget by the plugin (:func:`windows.sto
 no live request needs stay in LRU order for later prefix matches, and a prefix match is cut
 where an entry it needs is gone (``plugin``'s match hook), so nothing is ever served from codes
 that the rule says is exact.
+
+Salient tokens (``config.salient_budget``, the streaming echo rule of :mod:`sglang_tasq.salient`):
+each slot also holds its token's window echo of layers ``0..salient_layer`` (``echo_rows``, fp16
+``[rows, (salient_layer + 1) * H]``) and a kept flag (``exact.kept``); every new token holds an
+exact entry until its block is decided (at the deciding layer of the forward that reaches the
+block's horizon, :meth:`decide_salient`); kept slots keep theirs, pinned while a live request
+holds them and in LRU order after, and layers from the deciding one on read them exactly. Scores,
+decisions and flags depend on the prefix alone, so they are shared through the radix cache like
+the codes; a match is cut before a kept slot whose entry is gone.
 """
 from __future__ import annotations
 
@@ -90,6 +99,14 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self._live = {}  # request row -> (lo, kv length): positions < sink and in [lo, length) are pinned
         self._np = {}  # numpy views of long-lived buffers, made once here (never looked up by id())
         E = windows.store_entries(cfg.sink_window, cfg.recent_window, self.options.rows())
+        # salient tokens (cfg.salient_budget, the streaming echo rule of sglang_tasq.salient)
+        self.salient = cfg.salient_spec()
+        self.echo_rows = None
+        if self.salient is not None:
+            E += windows.salient_entries(cfg, rows, self.options.forward_tokens)
+            with self.memory_saver_adapter.region("kv_cache"):
+                self.echo_rows = torch.zeros(rows, windows.echo_row_width(cfg, H), dtype=torch.float16,
+                                             device=self.device)
         if self.window:
             with self.memory_saver_adapter.region("kv_cache"):
                 self.exact = windows.ExactStore(rows, E, self.layer_num, H, d, device=self.device)
@@ -166,6 +183,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                 r = self._r2t[row]
                 parts.append(r[: min(sink, n)])
                 parts.append(r[max(lo, 0): n])
+                if self.salient is not None:  # its kept (salient) tokens
+                    s = r[:n].to(torch.int64)
+                    parts.append(s[self.exact.kept[s] > 0])
         if not parts:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         return torch.cat(parts).to(torch.int64)
@@ -201,7 +221,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             return int(slots.numel())
         cfg = self.tasq_config
         slots = slots.to(self.exact.entry_of.device).to(torch.int64)
-        P = windows.exact_prefix_limit(self.exact.entry_of[slots] > 0, cfg.sink_window, cfg.recent_window)
+        kept = self.exact.kept[slots] > 0 if self.salient is not None else None
+        P = windows.exact_prefix_limit(self.exact.entry_of[slots] > 0, cfg.sink_window, cfg.recent_window, kept)
         if P:
             self.exact.touch(slots[:P])
         return P
@@ -249,6 +270,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if self.exact is None or seq_lens is None:
             return None
         keep = self.in_window(positions, seq_lens)
+        if self.salient is not None:  # every new token may be kept when its block is decided
+            keep = torch.ones_like(keep)
         slots = unwrap_write_loc(loc)[0].to(torch.int64)
         ent = self.exact.assign(slots, keep, self.pinned_slots)
         return ent, torch.zeros_like(ent), torch.where(keep, positions, -1)
@@ -316,6 +339,41 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self.exact.k[lid][ent[keep]] = k_pre[keep].to(torch.bfloat16)
             self.exact.v[lid][ent[keep]] = v[keep].to(torch.bfloat16)
 
+    # ---- salient tokens ------------------------------------------------------------------
+    def reads_kept(self, layer_id: int) -> bool:
+        """Does ``layer_id`` read kept (salient) tokens exactly (the deciding layer and after)?"""
+        return self.salient is not None and layer_id >= self.salient.layer
+
+    def kept_of(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """[S] bool: which of ``slots`` ``layer_id`` reads exactly as kept tokens (None: none)."""
+        return self.exact.kept[slots] > 0 if self.reads_kept(layer_id) else None
+
+    def record_echo(self, layer_id: int, loc: torch.Tensor, echo: torch.Tensor) -> None:
+        """Store the new tokens' window echo [T, H] (:func:`salient.window_echo`) of a layer up to
+        the deciding one, in their slots' echo rows (fp16, shared through the radix cache)."""
+        H = self.head_num
+        self.echo_rows[loc, layer_id * H:(layer_id + 1) * H] = echo.to(torch.float16)
+
+    def decide_salient(self, req_rows, prefix_lens, seq_lens) -> None:
+        """At the deciding layer, before its attention: for each request, decide the blocks whose
+        horizon this forward reached (:func:`salient.decide_blocks` over the echo rows of its
+        slots) and mark the kept slots. A block's decision reads its prefix only, so any request
+        holding the same prefix marks the same slots."""
+        from .. import salient as sal
+
+        spec, sink = self.salient, self.tasq_config.sink_window
+        for row, P, S in zip(req_rows, prefix_lens, seq_lens):
+            start, end = sal.decided_blocks(P, spec), sal.decided_blocks(S, spec)
+            if end <= start:
+                continue
+            slots = self._r2t[row, :S].to(torch.int64)
+            rows = self.echo_rows[slots].T.float()
+            kept = slots[sal.decide_blocks(rows, S, start, sink, spec)]
+            if not bool((self.exact.entry_of[kept] > 0).all()):
+                raise RuntimeError(f"tasq: request row {row}: a salient token chosen at position < {S} has no "
+                                   "full-precision entry; refusing to serve it from codes")
+            self.exact.kept[kept] = 1
+
     # ---- reads -----------------------------------------------------------------------------
     def read_codes(self, layer_id: int, slots: torch.Tensor):
         """slots [S] -> pre-RoPE keys, values [S, H, d] f32 decoded from their codes (reference codec)."""
@@ -351,7 +409,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         k, v = self.read_codes(layer_id, slots)
         if self.exact is not None:
             pos = torch.arange(slots.shape[0], device=slots.device)
-            self.read_exact(layer_id, slots, k, v, self.in_window(pos, seq_len))
+            use = self.in_window(pos, seq_len)
+            kept = self.kept_of(layer_id, slots)
+            self.read_exact(layer_id, slots, k, v, use if kept is None else use | kept)
         return k, v
 
     def _decode(self, k_codes, scale, v_codes, layer_id: int):

@@ -1,6 +1,7 @@
 """Numba CPU decode attention (numba_kernels.cpu: DecodeTables, DecodePlan, split-K
-decode_attention with exact window entries) against the plain-torch reference codec, on ragged
-batches, radix-shared prefixes, stale and absent window entries."""
+decode_attention with exact window entries and kept slots) against the plain-torch reference
+codec, on ragged batches, radix-shared prefixes, stale and absent window entries, and kept
+(salient) slots in and out of the window, with and without entries."""
 import dataclasses
 
 import numpy as np
@@ -68,9 +69,10 @@ def _pool_case(cfg, H, Hq, d, seq_lens, seed, windows):
     return cb, kb, k_rows, v_rows, slots, q, win
 
 
-def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale):
+def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale, kept=None):
     """Plain-torch codec per request; position t of a request of length S reads its slot's
-    entry iff t < sink or t >= S - recent and the slot holds one."""
+    entry iff (t < sink or t >= S - recent, or the slot is kept: ``kept[slot] != 0``, kept
+    [rows] uint8 or bool, None: none) and the slot holds one."""
     Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
     outs, beg = [], 0
     for b, S in enumerate(seq_lens):
@@ -91,7 +93,10 @@ def _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_sc
         if win is not None:
             entry_of, wk, wv = win
             ent = entry_of[sl]
-            mask = in_window(pos, S, cfg.sink_window, cfg.recent_window) & (ent > 0)
+            exact = in_window(pos, S, cfg.sink_window, cfg.recent_window)
+            if kept is not None:
+                exact = exact | (kept[sl] != 0)
+            mask = exact & (ent > 0)
             kw, vw = wk[ent], wv[ent]
         o = codec.attention_over_codes(q[b:b + 1], torch.tensor([S - 1]), kc, scale, vc, pos, cb, 0, sm_scale,
                                        k_full=kw, v_full=vw, full_mask=mask)
@@ -261,3 +266,142 @@ def test_decode_attention_refuses_dense_weighting():
     cb = dataclasses.replace(cb, k_unmix=torch.eye(16).expand(1, 2, 16, 16))
     with pytest.raises(NotImplementedError, match="dense"):
         cpu.DecodeTables(cb, 0)
+
+
+def _kept_case(win, slots, seq_lens, cfg, seed):
+    """Kept (salient) slots for a :func:`_pool_case` with windows -> (kept [rows] uint8, the
+    window store with entries added, the kept slots read exactly outside a window).
+
+    About a third of the used slots are kept (in and out of the window, shared prefix
+    included); a kept slot without an entry gets one, except where ``slot % 5 == 0`` (kept but
+    absent: codes). The unused slot 0 and last row are kept too (never read). Flags are bytes
+    other than 1 as well (any non-zero is kept)."""
+    entry_of, wk, wv = win
+    entry_of = entry_of.clone()
+    gen = torch.Generator().manual_seed(seed)
+    rows = entry_of.shape[0]
+    kept = torch.zeros(rows, dtype=torch.uint8)
+    used = torch.unique(slots)
+    pick = used[torch.rand(used.numel(), generator=gen) < 0.35]
+    kept[pick] = torch.randint(1, 256, (pick.numel(),), generator=gen, dtype=torch.int64).to(torch.uint8)
+    kept[0] = kept[rows - 1] = 1
+    new = [int(x) for x in pick if entry_of[x] == 0 and int(x) % 5]
+    E = wk.shape[0] - 1
+    entry_of[torch.tensor(new, dtype=torch.int64)] = torch.arange(E + 1, E + 1 + len(new))
+    H, d = wk.shape[1:]
+    wk = torch.cat([wk, torch.randn(len(new), H, d, generator=gen).to(torch.bfloat16)])
+    wv = torch.cat([wv, torch.randn(len(new), H, d, generator=gen).to(torch.bfloat16)])
+    starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
+    outside = set()  # kept slots with an entry that some request reads at a position outside its window
+    for b, S in enumerate(seq_lens):
+        sl = slots[starts[b]:starts[b + 1]]
+        out = ~in_window(torch.arange(S), S, cfg.sink_window, cfg.recent_window) & (kept[sl] != 0) & (entry_of[sl] > 0)
+        outside |= set(sl[out].tolist())
+    return kept, (entry_of, wk, wv), outside
+
+
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens,split_tokens", [
+    ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40], None),
+    ("none", (4, 8), 1, 4, 32, [70, 2, 33], 7),
+    ("per_head", (0, 5), 2, 4, 16, [20, 9, 12], 3),  # recent only
+    ("shared", (3, 0), 2, 4, 16, [20, 2, 7], 1),  # sink only
+    ("shared", (0, 0), 2, 6, 16, [33, 4, 70], 16),  # empty windows: kept slots are the only exact reads
+    ("shared/2", (4, 8), 4, 8, 16, [5, 40, 33], 40),
+    ("shared", (4, 8), 1, 3, 16, [300], None),  # one request over several splits
+    ("per_head", (1, 1), 2, 2, 8, [0, 3, 1, 260, 17], 256),  # empty and 1-token requests, splits of 256
+])
+def test_decode_attention_reads_kept_slots_exactly(scale, windows, H, Hq, d, seq_lens, split_tokens):
+    """Kept slots with an entry are read exactly at any position, window positions as before,
+    everything else (kept slots without an entry included) from codes: the kernel equals the
+    reference; a uint8, bool or numpy kept give one answer; kept slots outside the windows
+    change it; kept=None, an empty kept and an all-zero kept equal the window rule bit for bit,
+    and so does keeping only slots every request holding them reads in its window anyway."""
+    sink, recent = windows
+    scale, _, groups = scale.partition("/")
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
+                     scale_groups=int(groups or 1), sink_window=sink, recent_window=recent)
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 13, True)
+    kept, win, outside = _kept_case(win, slots, seq_lens, cfg, 17)
+    assert outside  # the case keeps slots outside the windows, with entries
+    entry_of, wk, wv = win
+    sm_scale = d ** -0.5
+    cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    tab = cpu.DecodeTables(cb, 0)
+    plan = cpu.DecodePlan(indptr, slots, cfg, kb, Hq, H, d, cos, sin, entry_of, split_tokens)
+    wk4, wv4 = wk.unsqueeze(1), wv.unsqueeze(1)
+
+    ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale, kept)
+    got = plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4, kept)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    assert torch.equal(plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4, kept=kept != 0), got)
+    assert torch.equal(plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4, kept=kept.numpy()), got)
+    assert torch.equal(plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4, kept=torch.cat([kept, kept])), got)
+
+    plain = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, H, d, sm_scale)
+    assert float((plain - ref).abs().max()) > 1e-3  # the kept slots matter
+    base = plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4)
+    torch.testing.assert_close(base, plain, rtol=2e-5, atol=2e-5)
+    for none in (None, torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.bool),
+                 torch.zeros_like(kept), np.zeros(0, np.uint8)):
+        assert torch.equal(plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4, kept=none), base)
+    starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()
+    inside = torch.ones(kept.shape[0], dtype=torch.bool)  # slots read in the window by every request holding them
+    for b, S in enumerate(seq_lens):
+        sl = slots[starts[b]:starts[b + 1]]
+        inside[sl[~in_window(torch.arange(S), S, sink, recent)]] = False
+    only_inside = kept * inside.to(torch.uint8)
+    assert torch.equal(plan(q, k_rows, v_rows, tab, sm_scale, wk4, wv4, kept=only_inside), base)
+
+    # batch invariance holds with kept slots: each request alone gives its batch answer bit for bit
+    for b in range(len(seq_lens)):
+        one = cpu.DecodePlan(torch.tensor([0, seq_lens[b]]), slots[starts[b]:starts[b + 1]], cfg, kb, Hq, H, d,
+                             cos, sin, entry_of, split_tokens)
+        assert torch.equal(one(q[b:b + 1], k_rows, v_rows, tab, sm_scale, wk4, wv4, kept)[0], got[b])
+
+
+def test_decode_plan_kept_is_per_call_and_checked():
+    """``kept`` is given per call (one plan, layers with and without kept slots) and read
+    through a view; it is ignored without windows; a kept of another dtype, non-contiguous,
+    not 1-D or not covering every slot is refused."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8,
+                     sink_window=2, recent_window=4)
+    seq_lens = [30, 9, 21]
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, 2, 4, 16, seq_lens, 8, True)
+    kept, win, _ = _kept_case(win, slots, seq_lens, cfg, 4)
+    entry_of, wk, wv = win
+    wk4, wv4 = wk.unsqueeze(1), wv.unsqueeze(1)
+    cos, sin = cos_sin(torch.arange(40), cb.inv_freq, cb.attention_scaling)
+    tab = cpu.DecodeTables(cb, 0)
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    plan = cpu.DecodePlan(indptr, slots, cfg, kb, 4, 2, 16, cos, sin, entry_of)
+
+    def ref(k):
+        return _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, win, 2, 16, 0.25, k)
+
+    live = torch.zeros_like(kept)
+    base = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, live)
+    torch.testing.assert_close(base, ref(None), rtol=2e-5, atol=2e-5)
+    live.copy_(kept)  # the same tensor, updated in place: seen on the next call
+    got = plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, live)
+    torch.testing.assert_close(got, ref(kept), rtol=2e-5, atol=2e-5)
+    assert torch.equal(plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4), base)  # the next layer keeps none
+    half = kept.clone()
+    half[::2] = 0
+    torch.testing.assert_close(plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, half), ref(half), rtol=2e-5, atol=2e-5)
+
+    bare = cpu.DecodePlan(indptr, slots, cfg, kb, 4, 2, 16, cos, sin)  # no windows: codes everywhere
+    assert torch.equal(bare(q, k_rows, v_rows, tab, 0.25, kept=kept), bare(q, k_rows, v_rows, tab, 0.25))
+    torch.testing.assert_close(bare(q, k_rows, v_rows, tab, 0.25, kept=kept),
+                               _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, None, 2, 16, 0.25),
+                               rtol=2e-5, atol=2e-5)
+
+    for bad in (kept.to(torch.int32), kept.float(), torch.stack([kept, kept], 1)[:, 0], kept.view(1, -1),
+                kept.numpy().astype(np.int8), [0, 1]):
+        with pytest.raises(TypeError, match="kept"):
+            plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, bad)
+        with pytest.raises(TypeError, match="kept"):
+            bare(q, k_rows, v_rows, tab, 0.25, kept=bad)
+    with pytest.raises(ValueError, match="kept"):
+        plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, kept[:int(slots.max())])
+    assert torch.equal(plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, kept[:int(slots.max()) + 1]), got)

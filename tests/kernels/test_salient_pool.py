@@ -1,0 +1,177 @@
+"""Salient tokens served by the real TaSQ pool and CPU backend (the streaming echo rule of
+sglang_tasq.salient): the kept slots are the reference's decision over the window echo of the
+exact keys, the same whether a prompt comes in one chunk or several or shares a radix prefix,
+layers from the deciding one read them exactly (extend and decode, kernel and torch), and a radix
+match is cut before a kept slot whose exact entry is gone."""
+import types
+
+import pytest
+import torch
+
+from sglang_tasq import salient as sal
+from sglang_tasq.config import TaSQConfig
+from sglang_tasq.rope import apply_rope
+from sglang_tasq.testing import random_codebooks
+
+H, HQ, D, LAYERS = 2, 4, 16, 3
+SINK, BLOCK, BUDGET, DECIDE = 2, 8, 2, 1
+RECENT = BLOCK + sal.ECHO_WINDOW // 2 + 1  # the smallest recent window the blocks allow (after=2: reach ahead 1)
+T = 130
+
+
+def _setup(budget=BUDGET, rows=3, size=600):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from _pools import make_pool
+    from sglang_tasq.srt.backend import TaSQAttnBackend
+
+    cfg = TaSQConfig(codebook_size_k=16, codebook_size_v=16, sink_window=SINK, recent_window=RECENT,
+                     salient_budget=budget, salient_block=BLOCK, salient_layer=DECIDE, salient_after=2)
+    cb = random_codebooks(LAYERS, H, D, config=cfg, seed=3)
+    pool = make_pool(cb, size=size, window_rows=rows)
+    r2t = ReqToTokenPool(size=rows, max_context_len=256, device="cpu", enable_memory_saver=False)
+    runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
+    be_k, be_t = TaSQAttnBackend(runner), TaSQAttnBackend(runner)
+    be_t._decode_kernel = False
+    return pool, r2t, be_k, be_t, cb
+
+
+def _data(n=T + 8, seed=0):
+    """Per layer and position: a query, a key (post-RoPE, as SGLang hands them over) and a value."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(LAYERS, n, HQ * D, generator=g)
+    k = torch.randn(LAYERS, n, H * D, generator=g) * 2
+    q[:, :, :D] += 3 * k[:, :, :D].roll(40, 1)  # some queries look far back: echoes worth keeping
+    v = torch.randn(LAYERS, n, H * D, generator=g)
+    return tuple(x.to(torch.bfloat16).float() for x in (q, k, v))  # what a bf16 model hands over
+
+
+class Runner:
+    """Drives one request row through extend chunks and decode steps, as SGLang's scheduler does."""
+
+    def __init__(self, pool, r2t, be, row, free):
+        self.pool, self.r2t, self.be, self.row, self.free, self.S = pool, r2t, be, row, free, 0
+        self.out = {}  # (layer, position) -> output row
+
+    def forward(self, n, data, decode=False, other=None):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        q, k, v = data
+        P, S = self.S, self.S + n
+        loc = torch.tensor([self.free.pop(0) for _ in range(n)])
+        self.r2t.req_to_token[self.row, P:S] = loc.to(torch.int32)
+        fb = types.SimpleNamespace(
+            req_pool_indices=torch.tensor([self.row]), seq_lens=torch.tensor([S], dtype=torch.int32),
+            extend_prefix_lens=torch.tensor([P], dtype=torch.int32), extend_seq_lens=torch.tensor([n], dtype=torch.int32),
+            positions=torch.arange(P, S), out_cache_loc=loc,
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND)
+        self.be.init_forward_metadata(fb)
+        if other is not None:
+            other.forward_metadata = {a: b for a, b in self.be.forward_metadata.items()
+                                      if a not in ("kv_indptr", "kv_indices", "plan")}
+        for lid in range(LAYERS):
+            layer = types.SimpleNamespace(layer_id=lid, tp_q_head_num=HQ, tp_k_head_num=H, qk_head_dim=D,
+                                          v_head_dim=D, scaling=D ** -0.5)
+            o = self.be._forward(q[lid, P:S], k[lid, P:S], v[lid, P:S], layer, fb, save_kv_cache=True)
+            if other is not None:
+                want = other._forward(q[lid, P:S], k[lid, P:S], v[lid, P:S], layer, fb, save_kv_cache=False)
+                assert torch.allclose(o, want, atol=1e-5, rtol=1e-4)
+            for i in range(n):
+                self.out[(lid, P + i)] = o[i]
+        self.S = S
+
+    def kept(self):
+        slots = self.r2t.req_to_token[self.row, :self.S].to(torch.int64)
+        return torch.nonzero(self.pool.exact.kept[slots]).flatten().tolist()
+
+
+def _reference_kept(cb, data, S):
+    """The blocks decided over the first S positions by the plain-torch rule: each query's window
+    echo over the exact keys (bf16 pre-RoPE copies, re-rotated), fp16 per (layer, head), layers
+    up to the deciding one."""
+    q, k, _ = data
+    rows = []
+    for lid in range(DECIDE + 1):
+        kk = k[lid, :S].view(S, H, D)
+        pre = apply_rope(kk, torch.arange(S), cb.inv_freq, cb.attention_scaling, inverse=True).to(torch.bfloat16)
+        post = apply_rope(pre.float(), torch.arange(S), cb.inv_freq, cb.attention_scaling)
+        e = sal.query_echo(q[lid, :S].view(S, HQ, D), post, torch.arange(S), torch.arange(S), SINK, RECENT, D ** -0.5)
+        rows.append(e.to(torch.float16).float().T)
+    return sal.decide_blocks(torch.cat(rows), S, 0, SINK, sal.SalientSpec(BUDGET, shared=True, after=2, rule="echo",
+                                                                          block=BLOCK, layer=DECIDE)).tolist()
+
+
+def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared():
+    pool, r2t, be_k, be_t, cb = _setup()
+    data = _data()
+    free = list(range(1, 600))
+    rows = r2t.alloc_rows(3)
+    whole = Runner(pool, r2t, be_k, rows[0], free)
+    whole.forward(T, data)
+    pieces = Runner(pool, r2t, be_k, rows[1], free)
+    for n in (37, 1, 50, 42):
+        pieces.forward(n, data, other=be_t)
+    want = _reference_kept(cb, data, T)
+    assert len(want) == BUDGET * sal.decided_blocks(T, pool.salient) and min(want) >= SINK
+    assert whole.kept() == want and pieces.kept() == want
+    # the same attention, whole or chunked; the deciding layer and after read the kept tokens
+    for lid in range(LAYERS):
+        for p in range(T):
+            assert torch.allclose(whole.out[(lid, p)], pieces.out[(lid, p)], atol=1e-5), (lid, p)
+    for _ in range(3):  # decode: the kernel against the torch reader, same answers for both requests
+        for run in (whole, pieces):
+            run.forward(1, data, decode=True, other=be_t)
+    for p in range(T, T + 3):
+        for lid in range(LAYERS):
+            assert torch.allclose(whole.out[(lid, p)], pieces.out[(lid, p)], atol=1e-4)
+    # a request sharing the first 100 slots through the radix cache continues the same decisions
+    shared = Runner(pool, r2t, be_k, rows[2], free)
+    r2t.req_to_token[rows[2], :100] = r2t.req_to_token[rows[0], :100]
+    assert pool.valid_prefix(r2t.req_to_token[rows[2], :100].to(torch.int64)) == 100
+    shared.S = 100
+    shared.forward(T - 100, data, other=be_t)
+    assert shared.kept() == want
+    for p in range(100, T):
+        assert torch.allclose(shared.out[(2, p)], whole.out[(2, p)], atol=1e-5)
+
+
+def test_kept_tokens_change_what_the_deciding_layer_reads_and_nothing_before():
+    """Against a pool without salient tokens: layers before the deciding one and queries before the
+    first block's horizon are unchanged; past it, the deciding layer's outputs move."""
+    data = _data(seed=1)
+    outs = []
+    for budget in (BUDGET, 0):
+        pool, r2t, be_k, be_t, cb = _setup(budget=budget)
+        run = Runner(pool, r2t, be_k, r2t.alloc_rows(1)[0], list(range(1, 600)))
+        run.forward(T, data)
+        for _ in range(2):
+            run.forward(1, data, decode=True, other=be_t)
+        outs.append(run.out)
+    on, off = outs
+    h0 = sal.block_horizon(0, sal.SalientSpec(BUDGET, shared=True, after=2, rule="echo", block=BLOCK))
+    assert all(torch.equal(on[(0, p)], off[(0, p)]) for p in range(T + 2))
+    assert all(torch.allclose(on[(DECIDE, p)], off[(DECIDE, p)], atol=1e-6) for p in range(h0))
+    moved = max(float((on[(DECIDE, p)] - off[(DECIDE, p)]).abs().max()) for p in range(h0, T + 2))
+    assert moved > 1e-2
+
+
+def test_a_match_is_cut_before_a_kept_slot_without_its_entry():
+    pool, r2t, be_k, be_t, cb = _setup()
+    run = Runner(pool, r2t, be_k, r2t.alloc_rows(1)[0], list(range(1, 600)))
+    run.forward(T, _data(seed=2))
+    slots = r2t.req_to_token[run.row, :T].to(torch.int64)
+    kept = run.kept()
+    assert pool.valid_prefix(slots) == T
+    victim = kept[3]
+    pool.exact.release_slots(slots[victim:victim + 1])  # as LRU eviction would
+    assert pool.valid_prefix(slots) <= victim
+    assert int(pool.exact.kept[slots[victim]]) == 1  # the flag stays: the slot's token was chosen
+
+
+def test_salient_config_is_checked():
+    with pytest.raises(ValueError, match="recent window >= 41"):
+        TaSQConfig(salient_budget=2, salient_block=8, recent_window=40)
+    cfg = TaSQConfig(salient_budget=2, salient_block=8, salient_layer=5)
+    with pytest.raises(ValueError, match="salient_layer=5"):
+        cfg.check_layers(3)
+    assert TaSQConfig().salient_spec() is None

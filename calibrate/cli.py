@@ -2,6 +2,7 @@
 
     python -m calibrate --model smollm2-135m --out artifacts/smollm2 [--preset fast] [--tp N]
     python -m calibrate check artifacts/smollm2/tasq.json [--model smollm2-135m]
+    python -m calibrate serving artifacts/smollm2 --out artifacts/smollm2_salient --salient 36/192@17
 """
 from __future__ import annotations
 
@@ -124,7 +125,9 @@ def summary_lines(manifest: dict) -> list[str]:
         f" keys={c.get('key_rope', 'pre')}-RoPE",
         f"bits/elem    K {manifest['bits_k']:.4f}  V {manifest['bits_v']:.4f}  (bf16: 16; "
         f"{32 / (manifest['bits_k'] + manifest['bits_v']):.1f}x smaller before windows)",
-        f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision",
+        f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision"
+        + (f"; salient tokens: {c['salient_budget']} of every {c['salient_block']} kept exact, decided at layer "
+           f"{c['salient_layer']} (echo rule, pooled {c['salient_after']} ahead)" if c.get("salient_budget") else ""),
         f"calibration  {cal['corpus']}: {cal['tokens']:,} tokens ({cal.get('fisher_tokens', 0):,} with Fisher), "
         f"seed {cal['seed']}, {cal.get('model_dtype', 'bfloat16')} model, {cal['wall_time_s']:.0f} s",
     ]
@@ -214,8 +217,54 @@ def cmd_check(argv) -> int:
     return 0
 
 
+def _salient_arg(text: str) -> tuple:
+    """'36/192@17' -> (36, 192, 17); 'none' -> (0, None, None)."""
+    if text == "none":
+        return (0, None, None)
+    try:
+        kept, rest = text.split("/")
+        block, layer = rest.split("@")
+        return int(kept), int(block), int(layer)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write KEPT/BLOCK@LAYER (e.g. 36/192@17) or none") from None
+
+
+def cmd_serving(argv) -> int:
+    """Write a copy of an artifact with other serving-time settings (windows, salient tokens): the
+    same codebooks and calibration record, no refit."""
+    ap = argparse.ArgumentParser(prog="python -m calibrate serving", description=cmd_serving.__doc__)
+    ap.add_argument("artifact", help="path to tasq.json (or its directory)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--sink", type=int, help="full-precision prefix tokens")
+    ap.add_argument("--recent", type=int, help="full-precision most recent tokens")
+    ap.add_argument("--salient", type=_salient_arg, metavar="KEPT/BLOCK@LAYER",
+                    help="keep KEPT of every BLOCK tokens exact, chosen by the streaming echo rule and read exactly "
+                         "from layer LAYER on (issue 14; e.g. 36/192@17), or none")
+    ap.add_argument("--salient-after", type=int, help="pool the echo this many positions forward (default 12)")
+    a = ap.parse_args(argv)
+    from sglang_tasq.artifact import ArtifactError, load_artifact, save_artifact
+
+    try:
+        art = load_artifact(a.artifact)
+        change = {"sink_window": a.sink, "recent_window": a.recent, "salient_after": a.salient_after}
+        if a.salient is not None:
+            kept, block, layer = a.salient
+            change.update(salient_budget=kept, salient_block=block, salient_layer=layer)
+        cfg = dataclasses.replace(art.config, **{k: v for k, v in change.items() if v is not None})
+        cfg.check_layers(art.model.num_layers)
+    except (ArtifactError, ConfigError, FileNotFoundError, TypeError) as e:
+        print(f"calibrate serving: {e}", file=sys.stderr)
+        return 2
+    path = save_artifact(a.out, dataclasses.replace(art.codebooks, config=cfg), art.model, art.manifest["calibration"])
+    print(f"wrote {path}")
+    print("\n".join(summary_lines(load_artifact(path).manifest)))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "check":
         return cmd_check(argv[1:])
+    if argv and argv[0] == "serving":
+        return cmd_serving(argv[1:])
     return cmd_calibrate(argv)

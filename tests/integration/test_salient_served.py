@@ -1,0 +1,61 @@
+"""Salient tokens served (issue 14): an artifact with ``calibrate serving --salient 36/192@17`` through
+a real SGLang server (CPU, SmolLM2, radix cache on, prompts prefilled in chunks of 256, 4 requests
+in flight) gives the NIAH answers of the HF decode view's streaming point
+``tasq:64+256:S36/192L17a12e:first`` on the same artifact and question-first samples, cold and
+warm (the second pass reads its prefix from the radix cache, kept slots included).
+
+Samples: question-first prompts at 1k of tasks the salient point answers, so that agreeing answers
+are not two failures agreeing (answers that end at a near-tie differ between the engine's bf16
+GEMMs and HF's: on a multi-key and a UUID sample the two views gave the same answer but for the
+last one or two characters). That the pool and backend serve the rule itself (the kept slots are
+the reference's decision, chunked or whole, radix-shared, read from the deciding layer on) is
+tests/kernels/test_salient_pool.py's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import retrieval as R
+from bench import ruler_server as RS
+from bench.ruler import _samples, token_cap
+
+from _support import ROOT
+
+POINT = "tasq:64+256:S36/192L17a12e:first"
+TASKS = ("niah_single_1", "niah_single_2")  # answered by the point at 1k: a path that misreads fails them
+
+
+def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_dir, smollm2_tokenizer):
+    out = tmp_path / "salient"
+    subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out", str(out),
+                    "--salient", "36/192@17"], check=True, cwd=str(ROOT), timeout=300)
+    manifest = out / "tasq.json"
+
+    from bench import methods as M
+    from bench.perplexity import load_model
+    from sglang_tasq.models import fingerprint, load_config
+
+    model, tok = load_model("smollm2-135m")
+    spec = M.parse("tasq")
+    method = M.build(spec, out, fingerprint(load_config(smollm2_dir)))
+    point = R.Point.parse(POINT)
+    dec = R.evaluate(model, tok, method, point, 1024, 1, TASKS, max_new=64)
+    plain = R.evaluate(model, tok, method, R.Point.parse("tasq:64+256:first"), 1024, 1, TASKS, max_new=64)
+    samples = [s for t in TASKS for s in _samples(smollm2_tokenizer, t, 1024, 1, "first")]
+    caps = [token_cap(s, 64) for s in samples]
+    with RS.served("tasq", smollm2_dir, manifest, tmp_path / "server.log") as (base, state):
+        from bench.ruler_client import served_model
+
+        name = served_model(base)
+        cold = RS.send(base, name, samples, caps)
+        warm = RS.send(base, name, samples, caps)
+    got = [a["text"] for a in cold]
+    want = [p["pred"] for p in dec["preds"]]
+    print({"decode": want, "server": got, "plain decode": [p["pred"] for p in plain["preds"]],
+           "scores": (dec["tasks"], plain["tasks"])})
+    assert dec["avg"] == 100, dec["preds"]  # the decode view finds needles: agreement is not vacuous
+    for s, w, g in zip(samples, want, got):
+        assert RS.same_answer(w, g, s["outputs"]), (w, g)
+    assert [a["text"] for a in warm] == got
+    assert sum(a["cached_tokens"] or 0 for a in warm) > 0  # the warm pass read prefixes from the radix cache

@@ -49,7 +49,7 @@ from .serving_report import hardware, merge_best, to_markdown, write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "serving"
-SERVERS = ("bf16", "fp8", "tasq")
+SERVERS = ("bf16", "fp8", "tasq", "tasq_salient")  # tasq_salient: --salient-config's artifact (salient tokens)
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
 DATASET = "random-ids (range ratio 1.0, seed 1)"
 # the workload fields that change the measured figures (with the model, the artifact and the dataset)
@@ -68,20 +68,21 @@ PRESETS = {
                  window_rows=16)}
 
 
-def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int) -> dict:
-    """{server: (bytes per token slot, fixed bytes)}, the numbers SGLang's pool sizing uses."""
+def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int, salient: Path | None = None,
+             forward_tokens: int = 0) -> dict:
+    """{server: (bytes per token slot, fixed bytes)}, the numbers SGLang's pool sizing uses
+    (``salient``: the tasq_salient server's artifact; ``forward_tokens``: its chunked prefill size)."""
     fp = fingerprint(model_config_dict(str(model_dir)))
     bf16 = fp.num_kv_heads * 2 * fp.head_dim * fp.num_layers * 2
     cells = {"bf16": (bf16, 0), "fp8": (bf16 // 2, 0)}
-    if manifest is not None:
-        from sglang_tasq.artifact import load_artifact
-        from sglang_tasq.packing import bytes_per_token
-        from sglang_tasq.windows import SLOT_INDEX_BYTES, store_bytes
+    from sglang_tasq.artifact import load_artifact
+    from sglang_tasq.windows import cell_bytes, store_bytes
 
-        cfg = load_artifact(manifest).config
-
-        cells["tasq"] = (bytes_per_token(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers) + SLOT_INDEX_BYTES,
-                         store_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows))
+    for name, path in (("tasq", manifest), ("tasq_salient", salient)):
+        if path is not None:
+            cfg = load_artifact(path).config
+            cells[name] = (cell_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers),
+                           store_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers, window_rows, forward_tokens))
     return cells
 
 
@@ -102,6 +103,8 @@ def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None)
         return cmd + ["--attention-backend", "torch_native"]
     if name == "fp8":  # SGLang's CPU fp8 KV cache requires the intel_amx backend (and AMX)
         return cmd + ["--attention-backend", "intel_amx", "--kv-cache-dtype", "fp8_e4m3"]
+    if name == "tasq_salient":
+        return cmd + ["--tasq-config", str(a.salient_config), "--chunked-prefill-size", str(a.salient_chunk)]
     return cmd + ["--tasq-config", str(a.tasq_config)]
 
 
@@ -234,6 +237,8 @@ def workload_key(a) -> dict:
     not part of their key (a later run adds servers to the same folder)."""
     key = {k: getattr(a, k) for k in KEY_FIELDS}
     key.update(model=a.model, dataset=DATASET, artifact=artifact_id(a.tasq_config))
+    if "tasq_salient" in a.servers:
+        key.update(salient_artifact=artifact_id(a.salient_config), salient_chunk=a.salient_chunk)
     if a.paired:
         key["servers"] = sorted(a.servers)
     return key
@@ -294,7 +299,13 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tasq-config", type=Path, default=None,
                     help="TaSQ artifact (default: the first of %s that exists)" % [str(p.relative_to(ROOT)) for p in DEFAULT_ARTIFACTS])
-    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    ap.add_argument("--salient-config", type=Path, default=None,
+                    help="the tasq_salient server's artifact (calibrate serving --salient ...)")
+    ap.add_argument("--salient-chunk", type=int, default=None,
+                    help="the tasq_salient server's --chunked-prefill-size (default: the input length, one chunk "
+                         "per prompt as the other servers prefill it; a chunk's tokens outside the recent window "
+                         "hold exact entries until their block of salient tokens is decided, charged as fixed bytes)")
+    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=["bf16", "fp8", "tasq"])
     for flag, typ, hlp in (("input-len", int, ""), ("output-len", int, ""), ("num-prompts", int, "per run, at least the concurrency"),
                            ("kv-budget-mib", float, "KV MiB for every server; 0 = SGLang's own sizing"),
                            ("window-rows", int, "TaSQ running requests the exact window store holds (SGLANG_TASQ_WINDOW_ROWS), inside the budget")):
@@ -321,6 +332,9 @@ def parse_args(argv=None):
     a.tasq_config = a.tasq_config or next((p for p in DEFAULT_ARTIFACTS if p.is_file()), None)
     if "tasq" in a.servers and (a.tasq_config is None or not Path(a.tasq_config).is_file()):
         ap.error("tasq needs --tasq-config PATH (no calibrated artifact found)")
+    a.salient_chunk = a.salient_chunk or a.input_len
+    if "tasq_salient" in a.servers and (a.salient_config is None or not Path(a.salient_config).is_file()):
+        ap.error("tasq_salient needs --salient-config PATH (an artifact with salient tokens: calibrate serving --salient)")
     return a
 
 
@@ -335,7 +349,8 @@ def main(argv=None, *, launch=run_servers) -> int:
               f"to run: {' '.join(todo) or 'nothing'}")
         return 0
     model_dir = resolve_model(a.model)
-    cells = kv_cells(model_dir, a.tasq_config if "tasq" in a.servers else None, a.window_rows)
+    cells = kv_cells(model_dir, a.tasq_config if "tasq" in a.servers else None, a.window_rows,
+                     a.salient_config if "tasq_salient" in a.servers else None, a.salient_chunk)
     budget = int(a.kv_budget_mib * 2**20)
     a.run_dir.mkdir(parents=True, exist_ok=True)
     art = os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None

@@ -85,11 +85,12 @@ def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int) -> int:
 
 def salient_entries(cfg, num_slots: int, forward_tokens: int) -> int:
     """Entries the salient tokens (``cfg.salient_budget``) need on top of the windows: ``budget /
-    block`` of every slot, and one per token a forward writes (each holds an entry until its block
-    is decided); 0 without."""
+    block`` of every slot, and one per token a forward writes outside its request's recent window
+    (each token holds an entry until its block is decided; the window's are counted with the
+    windows): ``forward_tokens - recent`` at most; 0 without."""
     if not cfg.salient_budget:
         return 0
-    return -(-int(num_slots) * cfg.salient_budget // cfg.salient_block) + int(forward_tokens)
+    return -(-int(num_slots) * cfg.salient_budget // cfg.salient_block) + max(0, int(forward_tokens) - cfg.recent_window)
 
 
 def echo_row_width(cfg, num_kv_heads: int) -> int:
@@ -106,12 +107,21 @@ def salient_bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: i
     return share + 2 * echo_row_width(cfg, num_kv_heads) + 1
 
 
+def cell_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
+    """Bytes per token slot the plugin reports to SGLang's pool sizing: the packed codes and
+    scale, the slot's exact-store index, and with salient tokens their per-slot share."""
+    from .packing import bytes_per_token
+
+    return (bytes_per_token(cfg, num_kv_heads, head_dim, num_layers) + SLOT_INDEX_BYTES
+            + salient_bytes_per_token(cfg, num_kv_heads, head_dim, num_layers))
+
+
 def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int, forward_tokens: int = 0) -> int:
     """Fixed bytes of the exact store for ``rows`` running requests (and, with salient tokens, the
     entries of one forward's new tokens; their per-slot share is charged per token slot by
     :func:`salient_bytes_per_token`): bf16 keys + values of every layer plus owner and stamp per
     entry, and its free list (the per-slot index is :data:`SLOT_INDEX_BYTES`, charged per slot)."""
-    E = store_entries(cfg.sink_window, cfg.recent_window, rows) + (int(forward_tokens) if cfg.salient_budget else 0)
+    E = store_entries(cfg.sink_window, cfg.recent_window, rows) + salient_entries(cfg, 0, forward_tokens)
     return (E + 1) * entry_bytes(num_kv_heads, head_dim, num_layers) - 8
 
 

@@ -174,12 +174,10 @@ def _around_get_kv_pool_cls(original, self, *args, kind=None, **kwargs):
 def _around_cell_size(original, self, kvc, num_layers, *args, **kwargs):
     if not launch.active():
         return original(self, kvc, num_layers, *args, **kwargs)
-    from ..packing import bytes_per_token
-
     art = _rank_artifact()
     fp = art.model
-    # + the slot's exact-store entry index (int64)
-    return bytes_per_token(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers)) + windows.SLOT_INDEX_BYTES
+    # codes + the slot's exact-store entry index (int64), and with salient tokens their per-slot share
+    return windows.cell_bytes(art.config, fp.num_kv_heads, fp.head_dim, int(num_layers))
 
 
 def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):

@@ -318,3 +318,43 @@ def test_random_operations_match_a_python_model():
         assert n_evicted > 0  # the sequence did exercise eviction
         fulls += n_full
     assert fulls > 0  # ... and the refusal
+
+
+def test_salient_entries_and_cell_bytes():
+    """Salient tokens add budget / block of an exact entry per slot, fp16 echo scores of the layers
+    up to the deciding one and a kept flag; the store also holds one entry per token a forward
+    writes outside the recent window (until its block is decided)."""
+    from sglang_tasq.config import TaSQConfig
+    from sglang_tasq.packing import bytes_per_token
+    from sglang_tasq.windows import (SLOT_INDEX_BYTES, cell_bytes, echo_row_width, entry_bytes, salient_entries,
+                                     store_bytes)
+
+    plain, sal = TaSQConfig(), TaSQConfig(salient_budget=36, salient_block=192, salient_layer=17)
+    assert cell_bytes(plain, 3, 64, 30) == bytes_per_token(plain, 3, 64, 30) + SLOT_INDEX_BYTES
+    assert echo_row_width(sal, 3) == 54 and echo_row_width(plain, 3) == 0
+    extra = 36 / 192 * entry_bytes(3, 64, 30) + 2 * 54 + 1
+    assert cell_bytes(sal, 3, 64, 30) == pytest.approx(cell_bytes(plain, 3, 64, 30) + extra)
+    assert salient_entries(plain, 1000, 4096) == 0
+    assert salient_entries(sal, 1000, 256) == 188 and salient_entries(sal, 1000, 1024) == 188 + 768
+    assert store_bytes(sal, 3, 64, 30, 4, 256) == store_bytes(plain, 3, 64, 30, 4)
+    assert store_bytes(sal, 3, 64, 30, 4, 1280) == store_bytes(plain, 3, 64, 30, 4) + 1024 * entry_bytes(3, 64, 30)
+
+
+def test_a_kept_position_without_its_entry_cuts_the_prefix():
+    present = torch.ones(12, dtype=torch.bool)
+    kept = torch.zeros(12, dtype=torch.bool)
+    kept[[3, 7]] = True
+    assert exact_prefix_limit(present, 2, 3, kept) == 12
+    present[7] = False  # a kept slot lost its entry: no query after it may be recomputed
+    assert exact_prefix_limit(present, 2, 3, kept) == 7
+    present[3] = False
+    assert exact_prefix_limit(present, 2, 3, kept) == 3
+    present[3] = True
+    present[5] = False  # an ordinary hole inside the tail window of P' = 7 moves it back
+    assert exact_prefix_limit(present, 2, 3, kept) == 5
+    store = ExactStore(8, 4, 1, 1, 2)
+    slots = torch.tensor([1, 2, 3])
+    store.assign(slots, torch.ones(3, dtype=torch.bool))
+    store.kept[slots] = 1
+    store.assign(slots[:1], torch.zeros(1, dtype=torch.bool))  # a rewritten slot is a new token: not kept
+    assert store.kept[slots].tolist() == [0, 1, 1]

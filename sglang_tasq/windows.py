@@ -98,16 +98,16 @@ def echo_row_width(cfg, num_kv_heads: int) -> int:
     return (cfg.salient_layer + 1) * num_kv_heads if cfg.salient_budget else 0
 
 
-def salient_bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
-    """Bytes per token slot the salient tokens add: their share of exact entries, the slot's echo
-    scores (fp16) and its kept flag."""
+def salient_bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
+    """Bytes per token slot the salient tokens add: their share of exact entries (rounded up), the
+    slot's echo scores (fp16) and its kept flag."""
     if not cfg.salient_budget:
         return 0
-    share = cfg.salient_budget / cfg.salient_block * entry_bytes(num_kv_heads, head_dim, num_layers)
+    share = -(-cfg.salient_budget * entry_bytes(num_kv_heads, head_dim, num_layers) // cfg.salient_block)
     return share + 2 * echo_row_width(cfg, num_kv_heads) + 1
 
 
-def cell_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
+def cell_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
     """Bytes per token slot the plugin reports to SGLang's pool sizing: the packed codes and
     scale, the slot's exact-store index, and with salient tokens their per-slot share."""
     from .packing import bytes_per_token

@@ -166,7 +166,45 @@ class TaSQAttnBackend(AttentionBackend):
         """Salient tokens, a layer up to the deciding one: every new token's window echo
         (:func:`salient.query_echo` over the exact keys its query reads by the window rule: the
         store's bf16 pre-RoPE copies, which every new token has with salient tokens on) into its
-        slot's echo row."""
+        slot's echo row. A decode batch: all requests at once (:meth:`_salient_echo_decode`)."""
+        if md["q_lens"] and all(t == 1 for t in md["q_lens"]):  # decode, or extends of one token
+            return self._salient_echo_decode(q3, layer, md)
+        return self._salient_echo_each(q3, layer, md)
+
+    def _salient_echo_decode(self, q3, layer, md) -> None:
+        """One query per request (at ``S - 1``): every request's window keys gathered from the store
+        into one [B, sink + recent] batch (the sink, then the recent window without what the sink
+        already holds; masked past each request's own), the same softmax over them as
+        :func:`salient.query_echo`, summed over [1, sink) and each KV head's query heads."""
+        from .. import salient as sal
+
+        pool, cfg = self.pool, self.pool.tasq_config
+        sink, recent = cfg.sink_window, cfg.recent_window
+        lid = layer.layer_id - pool.start_layer
+        dev = q3.device
+        B, Hq, d = q3.shape
+        H = pool.head_num
+        S = torch.tensor(md["seq_lens"], dtype=torch.int64, device=dev)
+        j = torch.arange(sink + recent, device=dev)[None]
+        pos = torch.where(j < sink, j, S[:, None] - recent + (j - sink))  # [B, W]
+        valid = (pos >= 0) & (pos < S[:, None]) & ((j < sink) | (pos >= sink))
+        pos = pos.clamp(min=0, max=int(S.max()) - 1)  # masked entries read any valid position
+        rows = torch.tensor(md["req_rows"], dtype=torch.int64, device=dev)
+        slots = self.req_to_token_pool.req_to_token[rows[:, None], pos].to(torch.int64)
+        ent = pool.exact.entry_of[slots]
+        if not bool((ent[valid] > 0).all()):
+            raise RuntimeError("tasq: a window key of the salient echo has no exact entry")
+        cos, sin = self._cos_sin(int(S.max()), dev)
+        k = rotate(pool.exact.k[lid][ent].float().view(-1, H, d), cos[pos.flatten()], sin[pos.flatten()]).view(B, -1, H, d)
+        logits = torch.einsum("bhgd,bwhd->bhgw", q3.float().view(B, H, Hq // H, d) * layer.scaling, k)
+        p = torch.softmax(logits.masked_fill(~valid[:, None, None], float("-inf")), -1)
+        lo, hi = sal.echo_span(sink)
+        span = valid & (pos >= lo) & (pos < hi) & (j < sink)
+        echo = (p * span[:, None, None]).sum((2, 3))  # [B, H]
+        pool.record_echo(layer.layer_id, md["out_loc"], echo)
+
+    def _salient_echo_each(self, q3, layer, md) -> None:
+        """Request by request (extend chunks): :func:`salient.query_echo` of its new queries."""
         from .. import salient as sal
 
         pool, cfg = self.pool, self.pool.tasq_config

@@ -175,3 +175,42 @@ def test_salient_config_is_checked():
     with pytest.raises(ValueError, match="salient_layer=5"):
         cfg.check_layers(3)
     assert TaSQConfig().salient_spec() is None
+
+
+@pytest.mark.parametrize("lens", [(T, 37), (5, 90), (1, 2)])
+def test_batched_decode_echo_equals_the_per_request_echo(lens):
+    """A decode batch's window echo, all requests at once, equals salient.query_echo request by
+    request (short requests inside the sink, long ones past the window)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    pool, r2t, be_k, be_t, cb = _setup()
+    data = _data()
+    free = list(range(1, 600))
+    rows = r2t.alloc_rows(2)
+    runs = [Runner(pool, r2t, be_k, rows[b], free) for b in range(2)]
+    for run, n in zip(runs, lens):
+        run.forward(n, data)
+    loc = torch.tensor([free.pop(0) for _ in range(2)])
+    for run, s in zip(runs, loc):
+        r2t.req_to_token[run.row, run.S] = int(s)
+    fb = types.SimpleNamespace(
+        req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor([r.S + 1 for r in runs], dtype=torch.int32),
+        extend_prefix_lens=None, extend_seq_lens=None, positions=torch.tensor([r.S for r in runs]), out_cache_loc=loc,
+        forward_mode=ForwardMode.DECODE)
+    be_k.init_forward_metadata(fb)
+    md = be_k.forward_metadata
+    q, k, v = data
+    for lid in range(DECIDE + 1):
+        layer = types.SimpleNamespace(layer_id=lid, tp_q_head_num=HQ, tp_k_head_num=H, qk_head_dim=D,
+                                      v_head_dim=D, scaling=D ** -0.5)
+        pos = md["positions"]
+        pool.set_kv_buffer(layer, loc, k[lid, pos], v[lid, pos], positions=pos, req_rows=md["rows"],
+                           seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
+        q3 = q[lid, pos].view(2, HQ, D)
+        cols = slice(lid * H, (lid + 1) * H)
+        be_k._salient_echo_decode(q3, layer, md)
+        batched = pool.echo_rows[loc, cols].clone()
+        pool.echo_rows[loc, cols] = 0
+        be_k._salient_echo_each(q3, layer, md)
+        assert torch.allclose(pool.echo_rows[loc, cols].float(), batched.float(), atol=1e-3, rtol=2e-3), (lid, lens)
+        assert bool(batched.float().gt(0).all())

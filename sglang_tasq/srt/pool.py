@@ -242,6 +242,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             st.entry_of[c[move]] = ef[move]
             st.owner[ef[move]] = c[move]
             st.entry_of[f[move]] = 0
+        if self.salient is not None:  # blocks the recompute decided (the tree's request may have ended first)
+            st.kept[c] = torch.maximum(st.kept[c], st.kept[f])
 
     def in_window(self, positions: torch.Tensor, seq_len) -> torch.Tensor:
         """[T] bool: positions read exactly by a query at ``seq_len - 1`` (:func:`windows.in_window`)."""

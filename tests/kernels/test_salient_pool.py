@@ -214,3 +214,24 @@ def test_batched_decode_echo_equals_the_per_request_echo(lens):
         be_k._salient_echo_each(q3, layer, md)
         assert torch.allclose(pool.echo_rows[loc, cols].float(), batched.float(), atol=1e-3, rtol=2e-3), (lid, lens)
         assert bool(batched.float().gt(0).all())
+
+
+def test_the_tree_slots_adopt_a_recompute_s_kept_flags():
+    """A request that recomputed a cached prefix into fresh slots (an entry was gone) is repointed
+    to the tree's slots on insert: they take its entries where they lack one, and the kept flags
+    of blocks only the recompute decided."""
+    pool, r2t, be_k, be_t, cb = _setup()
+    rows = r2t.alloc_rows(2)
+    data = _data(seed=3)
+    free = list(range(1, 600))
+    first = Runner(pool, r2t, be_k, rows[0], free)
+    first.forward(40, data)  # ends before block 0's horizon (41): nothing decided in the tree's slots
+    again = Runner(pool, r2t, be_k, rows[1], free)
+    again.forward(T, data)
+    canon = r2t.req_to_token[rows[0], :40].to(torch.int64)
+    fresh = r2t.req_to_token[rows[1], :40].to(torch.int64)
+    assert int(pool.exact.kept[canon].sum()) == 0 and int(pool.exact.kept[fresh].sum()) > 0
+    pool.exact.release_slots(canon[10:12])
+    pool.adopt_entries(fresh, canon)
+    assert torch.equal(pool.exact.kept[canon], pool.exact.kept[fresh])
+    assert bool((pool.exact.entry_of[canon[pool.exact.kept[canon] > 0]] > 0).all())

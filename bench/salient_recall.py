@@ -73,15 +73,15 @@ def selection(model, tok, method, point: Point, sample: dict) -> dict:
     with torch.no_grad(), active(probe):
         model.model(input_ids=ids[:T][None], past_key_values=probe.cache, use_cache=True)
     lo, hi = sal.candidates(T, point.sink, point.recent)
-    if spec.block is not None:
-        return _streaming_record(probe, spec, sample, tok, T, lo, hi)
-    layers = [probe.scores[i] for i in sorted(probe.scores)]
     gold = gold_positions(tok, sample["prompt"], sample["outputs"], T)
     cand = [p for p in gold if lo <= p < hi]
     rec = {"task": sample["task"], "index": sample["index"], "T": T, "gold_tokens": len(gold),
            "gold_candidates": len(cand), "recall": None, "best_rank": None}
     if not cand:
         return rec
+    if spec.block is not None:
+        return _streaming_record(probe, spec, rec, cand, T)
+    layers = [probe.scores[i] for i in sorted(probe.scores)]
     if spec.shared:
         second = [probe.echo[i] for i in sorted(probe.echo)] or None
         kept = [set(sal.select_shared(layers, point.sink, point.recent, spec, second).tolist())]
@@ -98,20 +98,14 @@ def selection(model, tok, method, point: Point, sample: dict) -> dict:
     return rec
 
 
-def _streaming_record(probe, spec, sample, tok, T: int, lo: int, hi: int) -> dict:
-    """A streaming spec's record: recall of the value tokens read from codes among the tokens its
-    decided blocks keep; ``best_rank``: the best value token's rank inside its own block (the
-    budget is per block)."""
+def _streaming_record(probe, spec, rec: dict, cand: list, T: int) -> dict:
+    """A streaming spec's record ``rec`` completed: recall of the value tokens read from codes
+    (``cand``) among the tokens its decided blocks keep; ``best_rank``: the best value token's rank
+    inside its own block (the budget is per block)."""
     import torch
 
     from sglang_tasq import salient as sal
 
-    gold = gold_positions(tok, sample["prompt"], sample["outputs"], T)
-    cand = [p for p in gold if lo <= p < hi]
-    rec = {"task": sample["task"], "index": sample["index"], "T": T, "gold_tokens": len(gold),
-           "gold_candidates": len(cand), "recall": None, "best_rank": None}
-    if not cand:
-        return rec
     kept = probe.kept.get("all", torch.empty(0, dtype=torch.long))
     rec["kept"] = kept.tolist()
     rec["recall"] = sum(p in set(rec["kept"]) for p in cand) / len(cand)

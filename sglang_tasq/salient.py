@@ -194,13 +194,16 @@ def decide_blocks(rows: torch.Tensor, upto: int, start: int, sink: int, spec: Sa
     if n <= start:
         return torch.empty(0, dtype=torch.long)
     rows = rows[None] if rows.dim() == 1 else rows
-    c = pooled(above_local_median(rows[:, :upto].float()), spec.reach).sum(0)
+    # only what blocks start.. read: from their first position less the pool's reach back and the
+    # median's half window (the edges replicated by above_local_median are then never read)
+    a0 = max(0, start * spec.block - spec.reach[1] - ECHO_WINDOW // 2)
+    c = pooled(above_local_median(rows[:, a0:upto].float()), spec.reach).sum(0)
     out = []
     for k in range(start, n):
         lo, hi = max(k * spec.block, sink), (k + 1) * spec.block
         if hi <= lo:
             continue
-        order = torch.sort(-c[lo:hi], stable=True).indices[: spec.budget]
+        order = torch.sort(-c[lo - a0:hi - a0], stable=True).indices[: spec.budget]
         out.append(torch.sort(order + lo).values)
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 

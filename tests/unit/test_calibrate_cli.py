@@ -46,3 +46,27 @@ def test_device_cuda_without_cuda_is_refused(capsys):
 def test_device_default_and_explicit():
     assert pipeline.resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert pipeline.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_serving_rewrites_the_serving_settings_only(tmp_path, capsys):
+    """``calibrate serving``: the same tensors and calibration record, other windows / salient
+    tokens; a setting the windows or the model cannot serve is refused, nothing written."""
+    from sglang_tasq.artifact import ModelFingerprint, load_artifact, save_artifact
+    from sglang_tasq.testing import random_codebooks
+
+    cb = random_codebooks(4, 2, 16, config=TaSQConfig(codebook_size_k=16, codebook_size_v=16), seed=1)
+    fp = ModelFingerprint(architecture="LlamaForCausalLM", num_layers=4, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                          rope_theta=10000.0, rope_scaling=None)
+    src = save_artifact(tmp_path / "src", cb, fp, calibration={"corpus": "random", "tokens": 0, "seed": 1, "wall_time_s": 0.0})
+    assert cli.main(["serving", str(src), "--out", str(tmp_path / "sal"), "--salient", "36/192@3"]) == 0
+    new = load_artifact(tmp_path / "sal")
+    assert new.config.salient_spec().layer == 3 and new.config.salient_budget == 36
+    assert new.manifest["tensors"]["sha256"] == load_artifact(src).manifest["tensors"]["sha256"]
+    assert "salient tokens: 36 of every 192" in capsys.readouterr().out
+    assert cli.main(["serving", str(tmp_path / "sal"), "--out", str(tmp_path / "off"), "--salient", "none"]) == 0
+    assert load_artifact(tmp_path / "off").config.salient_spec() is None
+    for bad, needle in ((["--salient", "36/192@4"], "salient_layer=4"), (["--salient", "36/300@1"], "recent window >= 333"),
+                        (["--salient", "36/192@1", "--recent", "200"], "recent window >= 225")):
+        assert cli.main(["serving", str(src), "--out", str(tmp_path / "bad"), *bad]) == 2
+        assert needle in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from sglang_tasq.hf.baselines import KVMethod
 from sglang_tasq import salient as sal
 from sglang_tasq.hf.cache import QuantizedKVCache
-from sglang_tasq.windows import query_window
+from sglang_tasq.windows import query_window, window_columns
 
 NAME = "tasq_decode_view"
 _ACTIVE: list = []
@@ -152,8 +152,7 @@ def _mix(q, kq, ke, vq, ve, a: int, b: int, sink: int, recent: int):
     S = _scores(q2, kq, a, b, (H, G, c))
     cols = E = None
     if sink or recent:
-        lo = max(0, a + 1 - recent)
-        cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
+        cols = window_columns(a, b, sink, recent)
         t, pc = torch.arange(a, b)[:, None], cols[None]
         E = query_window(t[:, 0], cols, sink, recent) & (pc <= t)  # [c, ncols] exact pairs (the one rule)
         Se = torch.bmm(q2, ke[:, cols].transpose(1, 2)).view(H, G, c, -1)
@@ -170,8 +169,7 @@ def _window_echo(q, ke, a: int, b: int, sink: int, recent: int) -> torch.Tensor:
     """[H, c]: :func:`salient.query_echo` of the queries at positions [a, b) (q [H, G, c, d] already
     scaled; exact keys ``ke`` [H, T, d])."""
     H, G, c, d = q.shape
-    lo = max(0, a + 1 - recent)
-    cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
+    cols = window_columns(a, b, sink, recent)
     qs = q.permute(2, 0, 1, 3).reshape(c, H * G, d)
     return sal.query_echo(qs, ke[:, cols].transpose(0, 1), torch.arange(a, b), cols, sink, recent, 1.0).T
 

@@ -36,6 +36,13 @@ def query_window(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: in
     return (k_pos[None, :] < sink) | (k_pos[None, :] >= q_pos[:, None] + 1 - recent)
 
 
+def window_columns(a: int, b: int, sink: int, recent: int) -> torch.Tensor:
+    """[m] ascending key positions that some query at a position in ``[a, b)`` reads exactly
+    (``j < b``): the sink, and everything from the first query's recent window on."""
+    lo = max(0, a + 1 - recent)
+    return torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, b)])
+
+
 def exact_prefix_limit(has_exact: torch.Tensor, sink: int, recent: int, kept: torch.Tensor | None = None) -> int:
     """Longest usable prefix ``P' <= P`` of a matched prefix of ``P`` tokens whose entry
     presence is ``has_exact`` [P] bool: the first recomputed query sits at position ``P'`` and

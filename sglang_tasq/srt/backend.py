@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from .. import windows
 from ..rope import cos_sin, rotate
 from . import profile
 
@@ -213,8 +214,7 @@ class TaSQAttnBackend(AttentionBackend):
         loc = md["out_loc"]
         start = 0
         for row, P, S, Tq in zip(md["req_rows"], md["prefix_lens"], md["seq_lens"], md["q_lens"]):
-            lo = max(0, P + 1 - recent)
-            cols = torch.cat([torch.arange(0, min(sink, lo)), torch.arange(lo, S)]).to(q3.device)
+            cols = windows.window_columns(P, S, sink, recent).to(q3.device)
             slots = self.req_to_token_pool.req_to_token[row, cols].to(torch.int64)
             ent = pool.exact.entry_of[slots]
             if not bool((ent > 0).all()):

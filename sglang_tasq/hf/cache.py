@@ -325,3 +325,9 @@ class TaSQCache(QuantizedKVCache):
                           TaSQValues(codebooks) if values else Identity(), "tasq")
         super().__init__(method, sink, recent, fresh_exact)
         self.codebooks = codebooks
+        if codebooks.config.salient_budget:
+            import warnings
+
+            warnings.warn(f"tasq: this artifact keeps salient tokens when served (salient_budget "
+                          f"{codebooks.config.salient_budget}); the HF TaSQCache keeps its windows only (the decode "
+                          "view of bench.attention_error runs the salient rule)", stacklevel=2)

@@ -17,7 +17,8 @@ memory while it is used (numba.md, "Sizing the decode kernel"):
 
 Window rule: token i of a request holding n cached tokens reads k_full/v_full (pre-RoPE,
 native order, [S, H, d]) when ``i < sink`` or ``i >= n - recent``; its key is rotated
-in-kernel exactly like a decoded one. ``reduce_kernel`` merges the splits (and, for extend,
+in-kernel exactly like a decoded one. With ``kept`` (salient tokens, issue 14), token i also reads
+k_full/v_full when ``kept[slot] != 0`` (u8 [S], indexed like k_full by slot). ``reduce_kernel`` merges the splits (and, for extend,
 the chunk partial stored at split index NS - 1) into out [rows, Hq, d].
 """
 from __future__ import annotations
@@ -49,15 +50,16 @@ def plan(rep: int, QT: int, gv: int, d: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int, vbits: int, rep: int, QT: int,
-                 scale_mode: str, full_kind: str, tiled: bool = False) -> KernelSpec:
+                 scale_mode: str, full_kind: str, tiled: bool = False, has_kept: bool = False) -> KernelSpec:
     """Grid (num_splits, H, num_tiles), block NT (see :func:`plan`).
 
     qp f32 [NQ, Hq, d] (each KV head's rows in its permuted order), k_codes u8 [S, kb],
     v_codes u8 [S, vb], k_scale fp16 [S] / [S, H] / [1], k_full/v_full [S, H, d] (full_kind),
     kv_indptr i32 [B+1], kv_indices i32, qtiles i32 [tiles, 3] (request, first row, rows;
     read when ``tiled``, else tile = request = row and QT must be 1), k_cb fp16 [H, Gk, Kk, gk], v_cb fp16
-    [H, Gv, Kv, gv], freq f32 [H, Gk, gk/2], perm i32 [H, d], split_len, sink, recent,
-    logit_scale -> part_acc f32 [NQ, Hq, NS, d], part_ml f32 [NQ, Hq, NS, 2].
+    [H, Gv, Kv, gv], freq f32 [H, Gk, gk/2], perm i32 [H, d], kept u8 [S] (read when ``has_kept``,
+    else any [1]), split_len, sink, recent, logit_scale -> part_acc f32 [NQ, Hq, NS, d],
+    part_ml f32 [NQ, Hq, NS, 2].
     """
     Gk, Gv, HALF = d // gk, d // gv, gk // 2
     R = QT * rep
@@ -80,7 +82,7 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
     ninf = float32(-math.inf)
 
     def kern(qp, k_codes, v_codes, k_scale, k_full, v_full, kv_indptr, kv_indices, qtiles, k_cb, v_cb,
-             freq, perm, split_len, sink, recent, logit_scale, part_acc, part_ml):
+             freq, perm, kept, split_len, sink, recent, logit_scale, part_acc, part_ml):
         s = cuda.blockIdx.x
         h = cuda.blockIdx.y
         tile = cuda.blockIdx.z
@@ -137,7 +139,7 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
                     ds[l] = s1
             for t in range(t0 + tid, t1, NT):
                 slot = kv_indices[start + t]
-                if t < sink or t >= win_hi:
+                if t < sink or t >= win_hi or (has_kept and kept[slot] != 0):
                     for l in range(gk):
                         x[l] = ldf(k_full[slot, h, perm[h, j * gk + l]])
                 else:
@@ -217,7 +219,7 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
                 acc[o] = float32(0.0)
             for t in range(t0 + tid, t1, NT):
                 slot = kv_indices[start + t]
-                if t < sink or t >= win_hi:
+                if t < sink or t >= win_hi or (has_kept and kept[slot] != 0):
                     for c in range(gv):
                         vv[c] = ldf(v_full[slot, h, j * gv + c])
                 else:
@@ -252,9 +254,10 @@ def cache_kernel(H: int, d: int, gk: int, Kk: int, kbits: int, gv: int, Kv: int,
     fk = KINDS[full_kind]
     sig = (f"void(float32[:, :, ::1], uint8[:, ::1], uint8[:, ::1], {sc}, {fk}[:, :, ::1], {fk}[:, :, ::1], "
            f"int32[::1], int32[::1], int32[:, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1], "
-           f"float32[:, :, ::1], int32[:, ::1], int32, int32, int32, float32, "
+           f"float32[:, :, ::1], int32[:, ::1], uint8[::1], int32, int32, int32, float32, "
            f"float32[:, :, :, ::1], float32[:, :, :, ::1])")
-    name = f"cache_attn_d{d}_rep{rep}_qt{QT}{'t' if tiled else ''}_K{Kk}x{gk}_V{Kv}x{gv}_{scale_mode}_{full_kind}"
+    name = (f"cache_attn_d{d}_rep{rep}_qt{QT}{'t' if tiled else ''}_K{Kk}x{gk}_V{Kv}x{gv}_{scale_mode}_{full_kind}"
+            f"{'_kept' if has_kept else ''}")
     return KernelSpec(name, kern, sig)
 
 

@@ -152,18 +152,23 @@ def default_split_len(batch_rows: int, H: int, max_kv_len: int, nt: int, lmax: i
 def decode_attention(q: torch.Tensor, k_codes, v_codes, k_scale, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      tables: LayerTables, sm_scale: float, k_full=None, v_full=None, sink: int = 0,
                      recent: int = 0, out: Optional[torch.Tensor] = None, max_kv_len: Optional[int] = None,
-                     split_len: Optional[int] = None) -> torch.Tensor:
+                     split_len: Optional[int] = None, kept: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Single-token queries q [B, Hq, d] (post-RoPE) over the compressed cache -> out [B, Hq, d] f32.
 
     kv_indptr i32 [B+1], kv_indices i32 [total]: request b's slots in position order.
-    Windows (sink/recent > 0) read pre-RoPE k_full and v_full [S, H, d]. For CUDA graphs pass
+    Windows (sink/recent > 0) read pre-RoPE k_full and v_full [S, H, d]; so do the slots with
+    ``kept[slot] != 0`` (u8 [S], salient tokens; needs k_full/v_full). For CUDA graphs pass
     ``max_kv_len`` (an upper bound; otherwise it is read from kv_indptr with a host sync)
     and a fixed ``split_len``.
     """
     B, Hq, d = q.shape
     H = tables.num_kv_heads
+    if kept is not None:
+        if k_full is None or v_full is None:
+            raise ValueError("kept slots are read from k_full and v_full [S, H, d]: pass them")
+        _check(kept, "kept", (k_codes.shape[0],), torch.uint8)
     fkind, k_full, v_full = _common(q, tables, k_codes, v_codes, k_scale, kv_indptr, kv_indices,
-                                    k_full, v_full, sink, recent)
+                                    k_full, v_full, max(sink, int(kept is not None)), recent)
     rep = Hq // H
     cfg = tables.config
     nt, lmax = attention.plan(rep, 1, cfg.group_size_v, d)
@@ -181,12 +186,14 @@ def decode_attention(q: torch.Tensor, k_codes, v_codes, k_scale, kv_indptr: torc
     part_acc = torch.empty(B, Hq, ns, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(B, Hq, ns, 2, dtype=torch.float32, device=q.device)
     spec = attention.cache_kernel(H, d, cfg.group_size_k, tables.k_cb.shape[2], cfg.code_bits_k, cfg.group_size_v,
-                                  tables.v_cb.shape[2], cfg.code_bits_v, rep, 1, cfg.scale, fkind)
+                                  tables.v_cb.shape[2], cfg.code_bits_v, rep, 1, cfg.scale, fkind,
+                                  has_kept=kept is not None)
     dummy = torch.zeros(1, 3, dtype=torch.int32, device=q.device)
+    kept_arg = kept.contiguous() if kept is not None else torch.zeros(1, dtype=torch.uint8, device=q.device)
     _launch(spec, (ns, H, B), nt, _arr(_permuted_queries(q, tables)), _arr(k_codes), _arr(v_codes),
             _arr(_scale_arg(k_scale, tables)), _arr(k_full), _arr(v_full), _arr(kv_indptr), _arr(kv_indices),
             _arr(dummy), _arr(tables.k_cb), _arr(tables.v_cb), _arr(tables.rope_freq), _arr(tables.k_perm),
-            split_len, sink, recent, sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
+            _arr(kept_arg), split_len, sink, recent, sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
     red = attention.reduce_kernel(d, False, False)
     _launch(red, (B, Hq), d, _arr(part_acc), _arr(part_ml), _arr(kv_indptr), _arr(dummy[0]), split_len, _arr(out))
     return out
@@ -242,7 +249,7 @@ def extend_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tens
         _launch(spec, (ns, H, len(tiles)), nt, _arr(_permuted_queries(q, tables)), _arr(k_codes), _arr(v_codes),
                 _arr(_scale_arg(k_scale, tables)), _arr(k_full), _arr(v_full), _arr(kv_indptr), _arr(kv_indices),
                 _arr(qtiles), _arr(tables.k_cb), _arr(tables.v_cb), _arr(tables.rope_freq), _arr(tables.k_perm),
-                split_len, sink, recent, sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
+                _arr(torch.zeros(1, dtype=torch.uint8, device=q.device)), split_len, sink, recent, sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
     spec = extend.chunk_kernel(d, rep, ckind)
     _launch(spec, (N, H), d, _arr(q.float().contiguous()), _arr(k_chunk), _arr(v_chunk), _arr(row_req_t),
             _arr(qo_indptr), sm_scale, _arr(part_acc), _arr(part_ml))

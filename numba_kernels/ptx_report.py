@@ -34,7 +34,8 @@ def _specs():
             attention.reduce_kernel(d, False, False),
         ]
     out += [encode.pack_kernel(8 * 16, 10, 8 * 16, 10, "int64"),
-            attention.cache_kernel(8, 128, 8, 1024, 10, 8, 1024, 10, 8, 1, "per_head", "f16")]
+            attention.cache_kernel(8, 128, 8, 1024, 10, 8, 1024, 10, 8, 1, "per_head", "f16"),
+            attention.cache_kernel(3, 64, 8, 1024, 10, 8, 1024, 10, 3, 1, "shared", "bf16", has_kept=True)]
     return out
 
 

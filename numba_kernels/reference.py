@@ -52,12 +52,13 @@ def _window_mask(n: int, sink: int, recent: int) -> torch.Tensor:
 
 def decode_attention_ref(q, k_codes, v_codes, k_scale, kv_indptr, kv_indices, tables: LayerTables,
                          sm_scale: float, k_full=None, v_full=None, sink: int = 0, recent: int = 0,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         out: Optional[torch.Tensor] = None, kept=None) -> torch.Tensor:
     """Single-token queries q [B, Hq, d] (post-RoPE) over each request's compressed cache.
 
     Request b's tokens are the slots kv_indices[kv_indptr[b]:kv_indptr[b+1]], token i at
-    RoPE position i; its first ``sink`` and last ``recent`` tokens read pre-RoPE k_full and
-    v_full [S, H, d]. Returns out [B, Hq, d] f32 (zeros for an empty request).
+    RoPE position i; its first ``sink`` and last ``recent`` tokens, and every slot with
+    ``kept[slot] != 0`` (salient tokens), read pre-RoPE k_full and v_full [S, H, d]. Returns
+    out [B, Hq, d] f32 (zeros for an empty request).
     """
     cb = tables.codebooks()
     B, Hq, d = q.shape
@@ -70,8 +71,10 @@ def decode_attention_ref(q, k_codes, v_codes, k_scale, kv_indptr, kv_indices, ta
             continue
         kc, vc, scale = _request_cache(tables, cb, slots, k_codes, v_codes, k_scale)
         mask, kf, vf = None, None, None
-        if sink + recent > 0:
+        if sink + recent > 0 or kept is not None:
             mask = _window_mask(n, sink, recent)
+            if kept is not None:
+                mask = mask | (kept[slots].cpu() != 0)
             kf, vf = k_full[slots].float().cpu(), v_full[slots].float().cpu()
         pos = torch.arange(n)
         res[b] = codec.attention_over_codes(q[b : b + 1].float().cpu(), pos[-1:], kc, scale, vc, pos, cb, 0,

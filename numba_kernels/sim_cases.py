@@ -99,18 +99,27 @@ def _close(got, want, what):
 
 
 def case_decode(rep, H, d, lens, K=64, g=8, scale="shared", split_len=None, sink=0, recent=0,
-                full_kind="f16", q_kind="f32", seed=0, noncontig=False):
+                full_kind="f16", q_kind="f32", seed=0, noncontig=False, kept=False):
+    """``kept``: a random third of the slots are salient tokens read from k_full/v_full."""
     tb = _tables(H, d, K, g, scale, seed)
     pool, slots, kv_indptr, kf, vf = _cache(tb, lens, seed + 7, full_kind)
     B, Hq = len(lens), rep * H
     q = torch.randn(B, Hq, 2 * d if noncontig else d, generator=torch.Generator().manual_seed(seed))
     q = (q[:, :, d:] if noncontig else q).to(DT[q_kind])
-    win = (kf, vf, sink, recent) if sink + recent else (None, None, 0, 0)
+    win = (kf, vf, sink, recent) if sink + recent or kept else (None, None, 0, 0)
     args = (q, pool["k_codes"], pool["v_codes"], pool["k_scale"], kv_indptr, slots, tb, 1.0 / math.sqrt(d)) + win
+    flags = None
+    if kept:
+        flags = (torch.rand(kf.shape[0], generator=torch.Generator().manual_seed(seed + 3)) < 1 / 3).to(torch.uint8)
     out = torch.full((B, Hq, d), float("nan"))
-    got = ops.decode_attention(*args, out=out, split_len=split_len)
-    want = ref.decode_attention_ref(*args)
-    return {"err": _close(got, want, "decode")}
+    got = ops.decode_attention(*args, out=out, split_len=split_len, kept=flags)
+    want = ref.decode_attention_ref(*args, kept=flags)
+    res = {"err": _close(got, want, "decode")}
+    if kept:  # the flags matter: without them the same call reads those slots from their codes
+        plain = ref.decode_attention_ref(*args)
+        res["kept_moves"] = float((plain - want).abs().max())
+        assert res["kept_moves"] > 1e-2, res
+    return res
 
 
 def case_extend(rep, H, d, prefix, chunk, K=64, g=8, scale="shared", split_len=None, sink=0, recent=0,
@@ -161,6 +170,9 @@ GROUPS = {
         ("dec_rep8_none_12bit_10bit", lambda: case_decode(8, 1, 32, [12, 3], K=4096, scale="none", split_len=5)),
         ("dec_rep1_10bit_g4_window_all", lambda: case_decode(1, 1, 16, [6, 2], K=1024, g=4, sink=3, recent=3)),
         ("dec_long_4099", lambda: case_decode(1, 1, 16, [4099, 2], K=16)),
+        ("dec_rep3_kept_window_bf16", lambda: case_decode(3, 3, 16, [1, 40, 13], sink=2, recent=3, full_kind="bf16",
+                                                          q_kind="bf16", split_len=8, kept=True)),
+        ("dec_rep2_kept_nowin_perhead", lambda: case_decode(2, 2, 16, [30, 9], scale="per_head", kept=True, seed=4)),
     ],
     "extend": [
         ("ext_rep3_window", lambda: case_extend(3, 3, 16, [0, 5, 19], [3, 1, 4], sink=1, recent=2, split_len=8)),

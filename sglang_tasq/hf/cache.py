@@ -16,15 +16,32 @@ when it leaves the window, and attention gets a view (decoding all codes every s
 ``fresh_exact=True`` (default, like a serving engine's prefill): the forward call that
 inserts tokens attends to them at full precision; they are read from codes from the next
 call on. ``False``: read from codes at once (fake-quant perplexity in one forward).
+
+Salient tokens (``salient``: a streaming :class:`sglang_tasq.salient.SalientSpec`, the rule the
+server keeps them by, issue 14): ``Cache.update`` sees keys only, so the cache reads each
+layer's queries through hooks on the model's attention modules (:class:`_QueryTap`, given
+``model``). At every layer up to the deciding one, ``update`` scores the new tokens' echo
+(:func:`sglang_tasq.salient.query_echo` over the exact keys of the window rule, stored fp16 per
+(layer, KV head) as the pool does); at the deciding layer it decides every block the scored
+tokens reach (:func:`sglang_tasq.salient.decide_blocks`) before that layer's keys are read back,
+and from that layer on a kept token keeps its full-precision key and value when it leaves the
+windows. Every decision falls before its tokens leave the recent window
+(``SalientSpec.check_windows``), so no exact value is needed after it is gone. Fed one token
+at a time, the cache reads what the server reads (the per-query window rule, the same echo);
+stored bytes count the kept copies, their positions and the echo rows.
 """
 from __future__ import annotations
 
+import sys
+import weakref
 from collections import Counter
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import codec
+from .. import salient as sal
+from ..windows import window_columns
 from numba_kernels import fastpath
 from .baselines import Identity, KVMethod, SideQuantizer
 from ..codec import Codebooks
@@ -178,6 +195,121 @@ class _Side:
         self.state: dict = {}
 
 
+class _SalientState:
+    """Salient tokens of one cache (module docstring): the echo rows of the layers up to the
+    deciding one (fp16 [B, H, cap] each), the kept flags ([B, cap] bool) and the blocks decided."""
+
+    def __init__(self, spec: "sal.SalientSpec", sink: int, recent: int):
+        if spec.block is None or not spec.shared:
+            raise ValueError(f"the HF cache keeps salient tokens by the streaming rule the server runs "
+                             f"(one shared set, decided per block), got {spec}")
+        spec.check_windows(sink, recent)
+        self.spec, self.sink, self.recent = spec, sink, recent
+        self.echo: dict[int, torch.Tensor] = {}
+        self.kept: torch.Tensor | None = None
+        self.decided = 0
+        self.queries: dict[int, tuple] = {}  # layer -> (post-RoPE q [B, Hq, n, d], scaling), from the tap
+
+    @staticmethod
+    def _room(t: torch.Tensor | None, shape, T: int, dtype, device) -> torch.Tensor:
+        if t is not None and t.shape[-1] >= T:
+            return t
+        grown = torch.zeros(*shape, max(T, 2 * (0 if t is None else t.shape[-1]), 256), dtype=dtype, device=device)
+        if t is not None:
+            grown[..., : t.shape[-1]] = t
+        return grown
+
+    def step(self, layer: "QuantizedKVLayer", T0: int, T1: int) -> None:
+        """After ``layer`` appended the tokens [T0, T1): score their echo (layers up to the deciding
+        one); at the deciding layer, decide every block the scored tokens reach."""
+        spec, lid = self.spec, layer.layer_idx
+        if lid > spec.layer:
+            return
+        got = self.queries.pop(lid, None)
+        keys = layer.bufs["k"]  # [B, H, T1, d]: exact inside the windows (and kept), the new tokens exact
+        B, H = keys.shape[:2]
+        if got is None or got[0].shape[0] != B or got[0].shape[2] != T1 - T0:
+            raise RuntimeError(f"tasq: the salient cache has no queries of layer {lid} for this forward "
+                               f"({T1 - T0} new tokens): build it with model= (the model it is used with) so its "
+                               f"attention modules are read")
+        q, scale = got
+        dev = keys.device
+        cols = window_columns(T0, T1, self.sink, self.recent).to(dev)
+        pos = torch.arange(T0, T1, device=dev)
+        rows = self.echo[lid] = self._room(self.echo.get(lid), (B, H), T1, torch.float16, dev)
+        for r in range(B):
+            e = sal.query_echo(q[r].transpose(0, 1), keys[r][:, cols].transpose(0, 1), pos, cols,
+                               self.sink, self.recent, scale)
+            rows[r, :, T0:T1] = e.T.to(torch.float16)
+        self.kept = self._room(self.kept, (B,), T1, torch.bool, dev)
+        k = sal.decided_blocks(T1, spec)
+        if lid == spec.layer and k > self.decided:
+            for r in range(B):
+                X = torch.cat([self.echo[i][r, :, :T1] for i in range(spec.layer + 1)])
+                self.kept[r, sal.decide_blocks(X.float().cpu(), T1, self.decided, self.sink, spec).to(dev)] = True
+            self.decided = k
+
+    def kept_between(self, layer_idx: int, a: int, b: int) -> torch.Tensor | None:
+        """[B, b - a] bool: the positions layer ``layer_idx`` keeps exact (None before the deciding layer)."""
+        if layer_idx < self.spec.layer or self.kept is None:
+            return None
+        return self.kept[:, a:b]
+
+    def nbytes(self, T: int) -> Counter:
+        out: Counter = Counter()
+        out["echo"] = sum(int(t[..., :T].numel()) * t.element_size() for t in self.echo.values())
+        if self.kept is not None:
+            out["salient_pos"] = int(self.kept[:, :T].sum()) * sal.POSITION_BITS // 8
+        return out
+
+
+class _QueryTap:
+    """Hooks on a model's attention modules (layers ``0 .. last``) that hand each forward's
+    post-RoPE queries to a :class:`_SalientState`: ``q_proj``'s output, the module's ``q_norm`` if
+    it has one, and the rotation of the module's own ``apply_rotary_pos_emb`` with the
+    ``position_embeddings`` the layer is called with (HF's query, bit for bit). The state is held
+    weakly; :meth:`remove` takes the hooks off."""
+
+    def __init__(self, model: torch.nn.Module, state: _SalientState, last: int):
+        found = {m.layer_idx: m for m in model.modules()
+                 if isinstance(getattr(m, "q_proj", None), torch.nn.Module) and isinstance(getattr(m, "layer_idx", None), int)}
+        missing = [i for i in range(last + 1) if i not in found]
+        if missing:
+            raise ValueError(f"tasq: salient tokens read the queries of layers 0..{last}; {type(model).__name__} has no "
+                             f"attention module with q_proj for layer(s) {missing}")
+        self.handles: list = []
+        ref = weakref.ref(state)
+        for i in range(last + 1):
+            self._tap(found[i], ref)
+
+    def _tap(self, attn: torch.nn.Module, ref) -> None:
+        rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+        if rope is None:
+            raise ValueError(f"tasq: {type(attn).__name__}'s module has no apply_rotary_pos_emb: cannot read its queries")
+        seen: dict = {}
+
+        def before(mod, args, kwargs):
+            seen["pe"] = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+
+        def after(lin, inputs, out):
+            state, pe = ref(), seen.pop("pe", None)
+            if state is None or pe is None:
+                return
+            q = out.view(*out.shape[:-1], -1, attn.head_dim)
+            if getattr(attn, "q_norm", None) is not None:
+                q = attn.q_norm(q)
+            q = q.transpose(1, 2)
+            state.queries[attn.layer_idx] = (rope(q, q, *pe)[0], float(attn.scaling))
+
+        self.handles.append(attn.register_forward_pre_hook(before, with_kwargs=True))
+        self.handles.append(attn.q_proj.register_forward_hook(after))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
 class QuantizedKVLayer(DynamicLayer):
     """One layer. ``keys``/``values`` expose the attended buffer view [B, H, T, d]."""
 
@@ -213,6 +345,8 @@ class QuantizedKVLayer(DynamicLayer):
         self._grow("k", key_states)
         self._grow("v", value_states)
         self.length = T1 = T0 + n
+        if self.cache.salient_state is not None:  # echo of the new tokens; decisions at the deciding layer
+            self.cache.salient_state.step(self, T0, T1)
         for name, side in self.sides.items():  # encode at insertion, decode on leaving windows
             self._encode(name, side, T1)
             self._read_back(name, side, T1, T0 if self.cache.fresh_exact else T1)
@@ -240,6 +374,8 @@ class QuantizedKVLayer(DynamicLayer):
         a, b, blk = side.read_upto, min(side.coded, T1 - self.cache.recent, bound), side.q.block
         if b <= a:
             return
+        st = self.cache.salient_state
+        keep = None if st is None else st.kept_between(self.layer_idx, a, b)
         for r, store in enumerate(side.rows):
             n0, n1 = a // blk, -(-b // blk)  # whole blocks holding [a, b)
             kw = {"positions": torch.arange(n0 * blk, n1 * blk, device=self.device)} \
@@ -249,7 +385,10 @@ class QuantizedKVLayer(DynamicLayer):
             if name == "k" and side.q.pre_rope:
                 pos = torch.arange(a, b, device=self.device)
                 x = apply_rope(x, pos, side.q.inv_freq, side.q.attention_scaling)
-            self.bufs[name][r, :, a:b] = x.transpose(0, 1).to(self.dtype)
+            x = x.transpose(0, 1).to(self.dtype)
+            if keep is not None and bool(keep[r].any()):  # a kept token keeps its exact value
+                x = torch.where(keep[r][None, :, None], self.bufs[name][r, :, a:b], x)
+            self.bufs[name][r, :, a:b] = x
         side.read_upto = b
 
     def get_seq_length(self) -> int:
@@ -268,6 +407,11 @@ class QuantizedKVLayer(DynamicLayer):
             out["state"] += sum(t.nbytes for t in side.state.values())
             if windows and not side.q.exact:  # fp tokens: sink, recent window, uncoded partial block
                 out["window"] += (T - max(0, min(side.coded, T - self.cache.recent) - self.cache.sink)) * per_tok
+            st = self.cache.salient_state
+            keep = None if st is None or side.q.exact else \
+                st.kept_between(self.layer_idx, self.cache.sink, max(self.cache.sink, min(side.coded, T - self.cache.recent)))
+            if keep is not None:  # kept tokens outside the windows: their exact copies
+                out["salient"] += int(keep.sum()) * H * d * self.bufs["k"].element_size()
         return out
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -280,7 +424,9 @@ class QuantizedKVLayer(DynamicLayer):
 
 
 class QuantizedKVCache(Cache):
-    """HF cache running any :class:`KVMethod` with full-precision sink/recent windows.
+    """HF cache running any :class:`KVMethod` with full-precision sink/recent windows, and salient
+    tokens kept exact when given a streaming ``salient`` spec and the ``model`` whose queries
+    choose them (module docstring).
 
     Example::
 
@@ -289,11 +435,32 @@ class QuantizedKVCache(Cache):
         cache.bytes_per_token()
     """
 
-    def __init__(self, method: KVMethod, sink: int = 64, recent: int = 256, fresh_exact: bool = True):
+    def __init__(self, method: KVMethod, sink: int = 64, recent: int = 256, fresh_exact: bool = True,
+                 salient: "sal.SalientSpec | None" = None, model: torch.nn.Module | None = None):
         if sink < 0 or recent < 0:
             raise ValueError(f"windows must be >= 0, got sink={sink} recent={recent}")
         super().__init__(layers=[])
         self.method, self.sink, self.recent, self.fresh_exact = method, sink, recent, fresh_exact
+        self.salient_state = None
+        if salient is not None:
+            if model is None:
+                raise ValueError("tasq: salient tokens are chosen by each layer's queries, which a transformers "
+                                 "cache does not see: pass model= (the model this cache is used with)")
+            self.salient_state = _SalientState(salient, sink, recent)
+            self._tap = _QueryTap(model, self.salient_state, salient.layer)
+            weakref.finalize(self, self._tap.remove)
+
+    def close(self) -> None:
+        """Take the query hooks off the model (also done when the cache is garbage collected)."""
+        if self.salient_state is not None:
+            self._tap.remove()
+
+    def kept_positions(self, row: int = 0) -> torch.Tensor:
+        """Ascending positions of batch row ``row`` kept exact (salient tokens decided so far)."""
+        st = self.salient_state
+        if st is None or st.kept is None:
+            return torch.empty(0, dtype=torch.long)
+        return torch.nonzero(st.kept[row, : self.get_seq_length()]).flatten().cpu()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -301,11 +468,15 @@ class QuantizedKVCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def memory_breakdown(self, windows: bool = True) -> dict:
-        """Stored bytes over all layers by kind ('codes', 'scale', 'zero', 'x', 'state', 'window')."""
-        return dict(sum((layer.memory_bytes(windows) for layer in self.layers), Counter()))
+        """Stored bytes over all layers by kind ('codes', 'scale', 'zero', 'x', 'state', 'window';
+        with salient tokens 'salient' (exact copies outside the windows), 'salient_pos', 'echo')."""
+        out = sum((layer.memory_bytes(windows) for layer in self.layers), Counter())
+        if self.salient_state is not None:
+            out.update(self.salient_state.nbytes(self.get_seq_length()))
+        return dict(out)
 
     def memory_bytes(self, windows: bool = True) -> int:
-        """Real stored bytes: payloads (codes + scales) + method state + fp windows."""
+        """Real stored bytes: payloads (codes + scales) + method state + fp windows (+ salient tokens)."""
         return sum(self.memory_breakdown(windows).values())
 
     def bytes_per_token(self, windows: bool = True) -> float:
@@ -317,17 +488,25 @@ class QuantizedKVCache(Cache):
 
 class TaSQCache(QuantizedKVCache):
     """TaSQ/CQ/ablation artifact in an HF cache; ``keys=False`` / ``values=False`` keep that
-    side in the model dtype (error-localization rows)."""
+    side in the model dtype (error-localization rows).
+
+    An artifact that keeps salient tokens (``config.salient_budget``) keeps them here too, by the
+    same rule as the server: pass ``model=`` (the cache reads its queries), or ``salient=False``
+    for the windows alone (an ablation; refused silently never)."""
 
     def __init__(self, codebooks: Codebooks, sink: int = 64, recent: int = 256, keys: bool = True,
-                 values: bool = True, fresh_exact: bool = True):
+                 values: bool = True, fresh_exact: bool = True, model: torch.nn.Module | None = None,
+                 salient: bool | None = None):
+        spec = codebooks.config.salient_spec()
+        if salient and spec is None:
+            raise ValueError("tasq: salient=True but this artifact keeps no salient tokens (salient_budget 0)")
+        use = spec is not None if salient is None else salient
+        if use and model is None:
+            c = codebooks.config
+            raise ValueError(f"tasq: this artifact keeps salient tokens ({c.salient_budget} of every {c.salient_block} "
+                             f"positions, decided at layer {c.salient_layer}) chosen by each layer's queries: "
+                             f"TaSQCache(codebooks, model=model) reads them, or salient=False keeps the windows only")
         method = KVMethod(TaSQKeys(codebooks) if keys else Identity(),
                           TaSQValues(codebooks) if values else Identity(), "tasq")
-        super().__init__(method, sink, recent, fresh_exact)
+        super().__init__(method, sink, recent, fresh_exact, salient=spec if use else None, model=model)
         self.codebooks = codebooks
-        if codebooks.config.salient_budget:
-            import warnings
-
-            warnings.warn(f"tasq: this artifact keeps salient tokens when served (salient_budget "
-                          f"{codebooks.config.salient_budget}); the HF TaSQCache keeps its windows only (the decode "
-                          "view of bench.attention_error runs the salient rule)", stacklevel=2)

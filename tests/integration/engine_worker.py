@@ -61,7 +61,7 @@ def reference_logprobs(model_path, codebooks, prompt_ids: list[int], out_ids: li
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
     model.eval()
-    cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True)
+    cache = TaSQCache(codebooks, sink=sink, recent=recent, fresh_exact=True, model=model)  # model: salient artifacts
     seq, out = list(prompt_ids) + list(out_ids), []
     with torch.no_grad():
         for i, t in enumerate(seq[:-1]):

@@ -2,7 +2,10 @@
 a real SGLang server (CPU, SmolLM2, radix cache on, prompts prefilled in chunks of 256, 4 requests
 in flight) gives the NIAH answers of the HF decode view's streaming point
 ``tasq:64+256:S36/192L17a12e:first`` on the same artifact and question-first samples, cold and
-warm (the second pass reads its prefix from the radix cache, kept slots included).
+warm (the second pass reads its prefix from the radix cache, kept slots included), and the HF
+``TaSQCache`` on the same artifact (``model=``: it keeps the salient tokens itself), fed one token
+at a time so that every prompt query reads the per-query window rule the server reads, answers
+the same.
 
 Samples: question-first prompts at 1k of tasks the salient point answers, so that agreeing answers
 are not two failures agreeing (answers that end at a near-tie differ between the engine's bf16
@@ -24,6 +27,33 @@ from _support import ROOT
 
 POINT = "tasq:64+256:S36/192L17a12e:first"
 TASKS = ("niah_single_1", "niah_single_2")  # answered by the point at 1k: a path that misreads fails them
+
+
+def _hf_cache_answer(model, tok, codebooks, sample, cap: int) -> str:
+    """Greedy answer through the HF TaSQCache (salient tokens kept by the cache), prompt fed one
+    token at a time."""
+    import torch
+
+    from bench.ruler import _eos_ids, _found_all
+    from sglang_tasq.hf.cache import TaSQCache
+
+    c = codebooks.config
+    cache = TaSQCache(codebooks, c.sink_window, c.recent_window, model=model)
+    ids, eos, out = tok(sample["prompt"], add_special_tokens=False)["input_ids"], _eos_ids(model, tok), []
+    with torch.no_grad():
+        for t in ids:
+            logits = model(torch.tensor([[t]]), past_key_values=cache).logits[0, -1]
+        assert cache.kept_positions().numel() > 0
+        for _ in range(cap):
+            nxt = int(logits.argmax())
+            if nxt in eos:
+                break
+            out.append(nxt)
+            if _found_all(tok.decode(out, skip_special_tokens=True), sample["outputs"]):
+                break
+            logits = model(torch.tensor([[nxt]]), past_key_values=cache).logits[0, -1]
+    cache.close()
+    return tok.decode(out, skip_special_tokens=True)
 
 
 def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_dir, smollm2_tokenizer):
@@ -58,4 +88,11 @@ def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_di
     for s, w, g in zip(samples, want, got):
         assert RS.same_answer(w, g, s["outputs"]), (w, g)
     assert [a["text"] for a in warm] == got
+    from sglang_tasq.artifact import load_artifact
+
+    codebooks = load_artifact(manifest).codebooks
+    hf = [_hf_cache_answer(model, tok, codebooks, s, c) for s, c in zip(samples, caps)]
+    print({"hf cache": hf})
+    for s, w, h in zip(samples, want, hf):
+        assert RS.same_answer(w, h, s["outputs"]), (w, h)
     assert sum(a["cached_tokens"] or 0 for a in warm) > 0  # the warm pass read prefixes from the radix cache

@@ -6,7 +6,7 @@ SGLang needed). Steps:
 1. correctness vs the plain-torch references (numba_kernels.reference, i.e. the codec) at
    Llama-3.1-8B (32 q / 8 KV heads, d=128) and SmolLM2-135M (9 / 3, d=64) shapes with
    random codebooks (g=8, K=1024): encode codes/scales, decode (ragged, windows, a 128k
-   request), extend;
+   request; and with kept salient slots), extend;
 2. CUDA-graph capture/replay of decode_attention equals the eager result;
 3. decode attention time (CUDA events, eager and graph-replayed) against bf16
    ``scaled_dot_product_attention`` over the same contexts (4k-128k tokens, batch 1-64),
@@ -91,6 +91,10 @@ def check_correctness(dev, quick) -> list:
         args = (q, pool["k_codes"], pool["v_codes"], pool["k_scale"], indptr, slots, tb, d ** -0.5, kf, vf, 64, 256)
         e, s = _err(ops.decode_attention(*args), ref.decode_attention_ref(*args))
         rows.append({"model": name, "check": "decode", "ok": e <= 2e-4 + 2e-3 * s, "max_err": e, "lens": lens})
+        # decode with salient tokens: 3 of every 16 slots kept exact (issue 14's served setting's share)
+        kept = (torch.rand(total + 16, device=dev, generator=gen) < 3 / 16).to(torch.uint8)
+        e, s = _err(ops.decode_attention(*args, kept=kept), ref.decode_attention_ref(*args, kept=kept))
+        rows.append({"model": name, "check": "decode_kept", "ok": e <= 2e-4 + 2e-3 * s, "max_err": e, "lens": lens})
         # extend: two requests with compressed prefixes and chunks
         pre, ch = EXT_PRE, EXT_CHUNK
         qo = torch.tensor([0] + ch, device=dev).cumsum(0).int()

@@ -21,7 +21,7 @@ causal attention. CUDA path: :class:`sglang_tasq.srt.serve_cuda.TaSQCudaAdapter`
 encode into the pool, split-K kernels of ``numba_kernels.ops`` over a compact view of it),
 dispatched in :meth:`TaSQAttnBackend._forward`.
 
-Salient tokens (``config.salient_budget``; CPU path): at each layer up to the deciding one every
+Salient tokens (``config.salient_budget``; CPU and CUDA paths): at each layer up to the deciding one every
 new token's window echo is stored in its slot (:meth:`TaSQAttnBackend._salient_echo`); at the
 deciding layer, before its attention, the pool decides the blocks this forward completed
 (:meth:`pool.TaSQTokenToKVPool.decide_salient`); from that layer on every query reads kept slots
@@ -133,21 +133,13 @@ class TaSQAttnBackend(AttentionBackend):
         Hq, d = layer.tp_q_head_num, layer.qk_head_dim
         q3 = q.reshape(-1, Hq, d)
         if q.is_cuda:
-            if self._cuda is None:
-                self._cuda = _cuda_adapter(self.pool, self.req_to_token_pool)
-            out = self._cuda.forward(q3, k, v, layer, fb, md, save_kv_cache)
-            return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
+            return self._forward_adapter(q, k, v, layer, fb, save_kv_cache)
         if save_kv_cache and k is not None and v is not None:
             with prof.part("store"):
                 self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"], req_rows=md["rows"],
                                         seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
         H = layer.tp_k_head_num
-        pool = self.pool
-        if pool.salient is not None and layer.layer_id <= pool.salient.layer:
-            with prof.part("salient"):
-                self._salient_echo(q3, layer, md)
-                if layer.layer_id == pool.salient.layer:
-                    pool.decide_salient(md["req_rows"], md["prefix_lens"], md["seq_lens"])
+        self._salient_step(q3, layer, md)
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
         k3 = k.reshape(-1, H, d) if exact else None
         v3 = v.reshape(-1, H, layer.v_head_dim) if exact else None
@@ -162,6 +154,27 @@ class TaSQAttnBackend(AttentionBackend):
             out[sl] = self._attend(q3[sl], layer, row, S, chunk).to(q.dtype)
             start += Tq
         return out.reshape(-1, Hq * layer.v_head_dim)
+
+    def _forward_adapter(self, q, k, v, layer, fb, save_kv_cache):
+        """The CUDA path (:class:`serve_cuda.TaSQCudaAdapter`; on CPU tensors, in the Numba simulator)."""
+        md = self.forward_metadata
+        Hq, d = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, Hq, d)
+        if self._cuda is None:
+            self._cuda = _cuda_adapter(self.pool, self.req_to_token_pool)
+        out = self._cuda.forward(q3, k, v, layer, fb, md, save_kv_cache,
+                                 before_attention=lambda: self._salient_step(q3, layer, md))
+        return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
+
+    def _salient_step(self, q3, layer, md) -> None:
+        """Salient tokens, between the store and the attention: the new tokens' echo (layers up to
+        the deciding one) and, at the deciding layer, the decision of the blocks they complete."""
+        pool = self.pool
+        if pool.salient is not None and layer.layer_id <= pool.salient.layer:
+            with self._profile.part("salient"):
+                self._salient_echo(q3, layer, md)
+                if layer.layer_id == pool.salient.layer:
+                    pool.decide_salient(md["req_rows"], md["prefix_lens"], md["seq_lens"])
 
     def _salient_echo(self, q3, layer, md) -> None:
         """Salient tokens, a layer up to the deciding one: every new token's window echo

@@ -154,10 +154,6 @@ def validate(sa, path: Optional[str] = None):
             raise TaSQLaunchError(f"tasq: artifact {path} keeps salient tokens (salient_budget "
                                   f"{art.config.salient_budget}), chosen from every KV head's echo; a tensor-parallel "
                                   f"rank sees only its own heads: serve it at --tp 1 (--dp N scales out)")
-        if str(getattr(sa, "device", "") or "").startswith("cuda"):
-            raise TaSQLaunchError(f"tasq: artifact {path} keeps salient tokens (salient_budget "
-                                  f"{art.config.salient_budget}); they are served on the CPU path only so far "
-                                  "(--device cpu), not by the CUDA kernels")
     if not art.codebooks.pairs_in_groups:
         raise TaSQLaunchError(f"tasq: artifact {path} groups keys by contiguous channels (grouping "
                               f"'{art.config.grouping}', the CQ baseline), which splits RoPE pairs across groups; "

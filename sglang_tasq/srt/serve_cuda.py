@@ -31,6 +31,12 @@ get, on every window row, the slot's exact entry when ``entry_of[slot] > 0`` and
 inside the window of the request's length, else the decoded codes: exactly what the CPU path
 (:meth:`TaSQTokenToKVPool.read_request`) reads. The view is built for groups of requests of at
 most ``max_view_tokens`` kv tokens (memory bound).
+
+Salient tokens (``config.salient_budget``): the backend's echo and decision run between the store
+and the attention (``before_attention``); from the deciding layer on, decode passes the view's kept
+flags to the kernel (their ``k_full``/``v_full`` rows filled from the slots' exact entries, found
+once per forward after the decision) and extend reads kept slots exactly (as the CPU path's
+``_prefill_keys``).
 """
 from __future__ import annotations
 
@@ -87,13 +93,17 @@ class TaSQCudaAdapter:
         return self._tables[key]
 
     # ---- entry -------------------------------------------------------------------------------
-    def forward(self, q3, k, v, layer, fb, md, save_kv_cache=True) -> torch.Tensor:
-        """q3 [N, Hq, d] post-RoPE; k, v [N, H*d] (post-RoPE keys) or None -> out [N, Hq, d] f32."""
+    def forward(self, q3, k, v, layer, fb, md, save_kv_cache=True, before_attention=None) -> torch.Tensor:
+        """q3 [N, Hq, d] post-RoPE; k, v [N, H*d] (post-RoPE keys) or None -> out [N, Hq, d] f32.
+        ``before_attention``: called after the store, before the attention reads the pool (the
+        backend's salient echo and decision)."""
         tb = self.tables(layer.layer_id, q3.device)
         H, d = self.pool.head_num, self.pool.head_dim
         decode = fb.forward_mode.is_decode()
         if save_kv_cache and k is not None and v is not None:
             self.store(layer, fb, k.reshape(-1, H, d), v.reshape(-1, H, d), md, tb)
+        if before_attention is not None:
+            before_attention()
         if not decode and (k is None or v is None):
             raise NotImplementedError("tasq: the CUDA extend path needs the chunk's k and v")
         out = torch.empty(q3.shape, dtype=torch.float32, device=q3.device)
@@ -111,10 +121,13 @@ class TaSQCudaAdapter:
         if plan is None:
             plan = md[PLAN_KEY] = self._plan(fb, md, q3.device)
         sink, recent = (self.cfg.sink_window, self.cfg.recent_window) if self.windows else (0, 0)
+        reads_kept = self.pool.salient is not None and self.pool.reads_kept(layer.layer_id)
         for g in plan:
             view = self._view(lid, tb, g)
+            kept = self._kept_view(lid, g, view) if reads_kept else None
             self.ops.decode_attention(q3[g.b0:g.b1], *view[:3], g.kv_indptr, g.kv_indices, tb, layer.scaling,
-                                      *view[3:], sink=sink, recent=recent, out=out[g.b0:g.b1], max_kv_len=g.max_n)
+                                      *view[3:], sink=sink, recent=recent, out=out[g.b0:g.b1], max_kv_len=g.max_n,
+                                      kept=kept)
         return out
 
     # ---- store -------------------------------------------------------------------------------
@@ -205,8 +218,9 @@ class TaSQCudaAdapter:
             return _sdpa(q, k_ex, v_ex, layer.scaling)
         k_dec, v_dec = self._decode_slots(lid, tb, slots)
         k_ex, v_ex = k_dec, v_dec
+        kept = self.pool.kept_of(layer.layer_id, slots) if self.pool.salient is not None else None
         if self.windows and P:
-            need = ex[:, :P].any(0)
+            need = ex[:, :P].any(0) if kept is None else ex[:, :P].any(0) | kept[:P]
             ent = self.pool.exact.entry_of[slots[:P]]
             use = (need & (ent > 0))[:, None, None]
             kx, vx = self.pool.exact.k[lid][ent].float(), self.pool.exact.v[lid][ent].float()
@@ -216,6 +230,9 @@ class TaSQCudaAdapter:
         k_ex[P:] = k_chunk
         v_ex = v_ex.clone() if v_ex is v_dec else v_ex
         v_ex[P:] = v_chunk.float()
+        if kept is not None:  # a kept token is exact for every query: its "codes" too
+            m = kept[:, None, None]
+            k_dec, v_dec = torch.where(m, k_ex, k_dec), torch.where(m, v_ex, v_dec)
         return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
 
     def _as_stored(self, k_chunk, cos, sin):
@@ -273,6 +290,25 @@ class TaSQCudaAdapter:
             valid = (ent > 0) & self.pool.in_window(pos, n_dev[wown])
             g.win = SimpleNamespace(crow=ptr[wown] + pos, ent=ent, valid=valid[:, None, None])
         return g
+
+    def _kept_view(self, lid: int, g, view) -> torch.Tensor:
+        """Group g's kept flags u8 [rows] for a layer that reads salient tokens, with their exact
+        pre-RoPE k, v written into the view's k_full/v_full rows. The flags change only at the
+        deciding layer (before its attention), so they are read once per forward, at the first
+        layer that reads them (one host sync), and reused by the later layers."""
+        ex = self.pool.exact
+        if getattr(g, "kept", None) is None:
+            flags = ex.kept[g.slots].to(torch.uint8)
+            flags[-1] = 0  # the padding row
+            rows = torch.nonzero(flags).flatten()
+            ent = ex.entry_of[g.slots[rows]]
+            if not bool((ent > 0).all()):
+                raise RuntimeError("tasq: a kept (salient) slot has no exact entry")
+            g.kept = SimpleNamespace(flags=flags.contiguous(), rows=rows, ent=ent)
+        k_full, v_full = view[3], view[4]
+        k_full[g.kept.rows] = ex.k[lid][g.kept.ent].to(k_full.dtype)
+        v_full[g.kept.rows] = ex.v[lid][g.kept.ent].to(v_full.dtype)
+        return g.kept.flags
 
     # ---- per-layer compact view (decode) -----------------------------------------------------
     def _view(self, lid: int, tb, g):

@@ -70,15 +70,14 @@ def test_parallel_degrees_the_artifact_serves(tmp_path, good, args, smollm2_dir)
     _assert_refused(args(tp_size=2), tp3, "--tp 2 does not divide")
 
 
-def test_salient_tokens_are_served_at_tp1_on_cpu_only(tmp_path, smollm2_dir, args):
-    """An artifact keeping salient tokens (issue 14) serves at --tp 1 and --dp N on the CPU; a TP
-    rank sees only its heads' echo and the CUDA kernels do not read kept slots: refused, by name.
+def test_salient_tokens_are_served_at_tp1(tmp_path, smollm2_dir, args):
+    """An artifact keeping salient tokens (issue 14) serves at --tp 1 and --dp N, on CPU and CUDA
+    (tests/kernels/test_salient_cuda.py); a TP rank sees only its heads' echo: refused, by name.
     A deciding layer the model lacks is refused as a malformed artifact."""
     sal = make_random_artifact(tmp_path / "sal", smollm2_dir, scale_groups=3, salient_budget=36, salient_layer=17)
-    for kw in (dict(), dict(dp_size=2), dict(device="cpu")):
+    for kw in (dict(), dict(dp_size=2), dict(device="cpu"), dict(device="cuda")):
         assert validate(args(**kw), str(sal)).config.salient_spec().layer == 17
     _assert_refused(args(tp_size=3), sal, "salient tokens", "--tp 1")
-    _assert_refused(args(device="cuda"), sal, "salient tokens", "CPU path only")
     bad = make_random_artifact(tmp_path / "bad", smollm2_dir, salient_budget=36, salient_layer=31)
     _assert_refused(args(), bad, "salient_layer=31", "layers 0..29")
 

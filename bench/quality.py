@@ -58,6 +58,7 @@ class QualityConfig:
     niah_max_new: Optional[int] = None  # generated-token cap (None: RULER's 128)
     niah_tasks: tuple = tuple(niah.TASKS)
     niah_view: str = "decode"  # "decode": HF model under the window rule; "server": real SGLang servers
+    niah_question: str = "last"  # where the prompt asks: "last" (RULER) or "first" (before the haystack)
     niah_methods: tuple = ("bf16", "fp8_e4m3", "kivi2", "cq", "tasq", "tasq_keys_only", "tasq_values_only")
     pos_len: int = 8192
     pos_windows: int = 2
@@ -78,6 +79,8 @@ class QualityConfig:
             raise ValueError(f"benches {sorted(bad)}: allowed {BENCHES}")
         if self.niah_view not in ruler.VIEWS:
             raise ValueError(f"niah_view {self.niah_view!r}: allowed {ruler.VIEWS}")
+        if self.niah_question not in ("last", "first"):
+            raise ValueError(f"niah_question {self.niah_question!r}: allowed 'last', 'first'")
         if self.niah_view == "server" and "ruler" in self.benches:
             ruler_server.check_servable(ruler.niah_names(self.methods, self.niah_methods))
         if self.preset not in ("default", "fast"):
@@ -86,6 +89,8 @@ class QualityConfig:
     def name(self) -> str:
         d = dataclasses.asdict(self)
         d.pop("artifacts"), d.pop("artifact_root")  # where artifacts live does not change results
+        if self.niah_question == "last":  # RULER's order (absent: earlier names stay valid)
+            d.pop("niah_question")
         if self.niah_view == "server":  # the servers' settings (absent otherwise: earlier names stay valid)
             d["niah_server"] = ruler_server.SERVER_KEY
         from sglang_tasq.models import compute_dtype, dtype_name
@@ -189,7 +194,8 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     header = (f"# KV quality: {cfg.model}, run {cfg.name()}\n\nWindows 'none' read every token from codes; '64+256' keeps "
               f"64 sink + 256 recent tokens exact per query (decode view). PPL on {cfg.ppl_windows} x {cfg.ppl_len} "
               f"held-out wiki tokens and {cfg.ood_windows} x {cfg.ppl_len} held-out stdlib code; NIAH: "
-              f"{cfg.niah_samples} sample(s) per task and length, {cfg.niah_view} view. Artifacts: preset '{cfg.preset}'. "
+              f"{cfg.niah_samples} sample(s) per task and length, {cfg.niah_view} view"
+              f"{', question asked first (before the haystack)' if cfg.niah_question == 'first' else ''}. Artifacts: preset '{cfg.preset}'. "
               f"Hardware: {env['cpu']}, {env['threads']} threads, torch {env['torch']}.")
     if cfg.niah_view == "server" and "ruler" in cfg.benches:
         header += ("\n\nNIAH server view: real SGLang servers (CPU, radix cache on, chunked prefill "
@@ -254,6 +260,9 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     ap.add_argument("--niah-view", choices=ruler.VIEWS,
                     help="decode (default): the HF model under the server's window rule; server: real SGLang servers "
                          "(chunked prefill, radix cache on, each sample twice; bf16 and plain tasq only)")
+    ap.add_argument("--niah-question", choices=("last", "first"),
+                    help="where the prompt asks (default last, RULER's; first: before the haystack, where a "
+                         "salient selection at the prompt's end cannot see it)")
     ap.add_argument("--pos-windows", type=int)
     ap.add_argument("--pos-len", type=int, help="tokens per error-by-position window (default 8192)")
     ap.add_argument("--pos-methods", help="comma list for the error-by-position bench; empty string = all methods")
@@ -266,6 +275,7 @@ def parse_args(argv=None) -> tuple[QualityConfig, Path]:
     kw = dict(QUICK) if a.quick else {}
     simple = {"model": a.model, "preset": a.preset, "ppl_len": a.ppl_len, "ppl_windows": a.ppl_windows,
               "ood_windows": a.ood_windows, "niah_samples": a.niah_samples, "niah_view": a.niah_view,
+              "niah_question": a.niah_question,
               "pos_windows": a.pos_windows, "pos_len": a.pos_len, "sweep_windows": a.sweep_windows,
               "artifact_root": a.artifact_root}
     kw.update({k: v for k, v in simple.items() if v is not None})

@@ -100,7 +100,7 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
 
 
 def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, tasks=tuple(niah.TASKS),
-             max_new: int | None = None, view: str = "decode") -> dict:
+             max_new: int | None = None, view: str = "decode", question: str = "last") -> dict:
     """{'tasks': {task: 0-100}, 'avg': mean over tasks, 'preds': [...], 'seconds'}.
 
     max_new: cap on generated tokens (None: RULER's 128). Answers come first (up to four
@@ -108,7 +108,7 @@ def evaluate(model, tok, method, sink: int, recent: int, length: int, n: int, ta
     the runs of a method that never produces them."""
     t0, scores, preds = time.time(), {}, []
     for task in tasks:
-        samples = _samples(tok, task, length, n)
+        samples = _samples(tok, task, length, n, question)
         outs = [greedy(model, tok, s["prompt"], method, sink, recent, s["outputs"], token_cap(s, max_new),
                        view) for s in samples]
         scores[task] = niah.string_match_all(outs, [s["outputs"] for s in samples])
@@ -144,7 +144,7 @@ def run(ctx, settings=("none", "64+256")) -> dict:
                 def work():
                     ctx.log(f"[ruler] {name} windows={key} length={length} n={cfg.niah_samples}")
                     return evaluate(ctx.model, ctx.tok, ctx.methods[name], *parse_windows(key), length,
-                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new, "decode")
+                                    cfg.niah_samples, cfg.niah_tasks, cfg.niah_max_new, "decode", cfg.niah_question)
 
                 res.setdefault(name, {}).setdefault(setting, {})[str(length)] = cached(path, work)
     return res

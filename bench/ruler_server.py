@@ -246,7 +246,7 @@ def measure(base: str, state: dict, ctx, length: int, setting: str) -> dict:
     from .ruler_client import served_model
 
     cfg = ctx.cfg
-    samples = [s for t in cfg.niah_tasks for s in _samples(ctx.tok, t, length, cfg.niah_samples)]
+    samples = [s for t in cfg.niah_tasks for s in _samples(ctx.tok, t, length, cfg.niah_samples, cfg.niah_question)]
     caps = [token_cap(s, cfg.niah_max_new) for s in samples]
     model = served_model(base)
     times = {}

@@ -225,6 +225,12 @@ def test_config_cli_and_folder_name():
     assert Q.parse_args(["--quick", "--ppl-windows", "3"])[0].name() != cfg.name()
     with pytest.raises(ValueError, match="allowed"):
         Q.QualityConfig(methods=("bf16", "nope"))
+    # where the question sits: the default keeps earlier run names, "first" is a run of its own
+    first, _ = Q.parse_args(["--quick", "--niah-lengths", "1024", "--niah-question", "first"])
+    assert first.niah_question == "first" and first.name() != cfg.name()
+    assert Q.parse_args(["--quick", "--niah-lengths", "1024", "--niah-question", "last"])[0].name() == cfg.name()
+    with pytest.raises(ValueError, match="niah_question"):
+        Q.QualityConfig(niah_question="middle")
 
 
 def test_method_lists_keep_layer_mixes_whole():

@@ -40,18 +40,42 @@ _ACTIVE: list = []
 
 
 class ProbeCache(QuantizedKVCache):
-    """Every token read from codes at once (no windows), plus an exact copy per layer."""
+    """Every token read from codes at once (no windows), plus an exact copy per layer: the model's
+    own, or (``side="fp8"``) as an fp8 side buffer holds it (:func:`sglang_tasq.salient.fp8_rows`
+    per token and KV head; keys pre-RoPE, as the serving pool stores them, for a method that codes
+    them so)."""
 
-    def __init__(self, method: KVMethod):
+    def __init__(self, method: KVMethod, side: str = "bf16"):
         super().__init__(method, sink=0, recent=0, fresh_exact=False)
+        sal.copy_bits(side, 64)  # a bad format fails here
+        self.side = side
         self.exact: dict = {}  # layer -> {"k": buf, "v": buf} [1, H, cap, d]
         self.n_exact: dict = {}
+
+    def _held(self, name: str, x: torch.Tensor, T0: int) -> torch.Tensor:
+        if self.side == "bf16":
+            return x
+        if name == "v":
+            return sal.fp8_rows(x)
+        keys = self.method.keys
+        if not getattr(keys, "pre_rope", False):
+            return sal.fp8_rows(x)
+        from sglang_tasq.hf.cache import unrotate_keys
+        from sglang_tasq.rope import apply_rope
+
+        pos = torch.arange(T0, T0 + x.shape[2])
+        out = torch.empty_like(x)
+        for b in range(x.shape[0]):
+            pre = unrotate_keys(x[b].transpose(0, 1), pos, keys.inv_freq, keys.attention_scaling)
+            out[b] = apply_rope(sal.fp8_rows(pre), pos, keys.inv_freq, keys.attention_scaling).transpose(0, 1).to(x.dtype)
+        return out
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         kq, vq = super().update(key_states, value_states, layer_idx)
         T0, n = self.n_exact.get(layer_idx, 0), key_states.shape[2]
         bufs = self.exact.setdefault(layer_idx, {})
         for name, x in (("k", key_states), ("v", value_states)):
+            x = self._held(name, x, T0)
             buf = bufs.get(name)
             if buf is None or buf.shape[2] < T0 + n:
                 new = x.new_empty((*x.shape[:2], max(2 * T0, T0 + n, 64), x.shape[3]))

@@ -30,10 +30,13 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[/N[Ll]][aN][e|b]][:later|:first]``
   selection sees the question only through what the prompt's last tokens carry of it. Its share of
   bf16 is against ``bf16:first``, the same prompts; ``first - last`` pairs it with the same point on
   the question-last prompts (the same needles, haystacks and keys, sample by sample).
+* ``x8``: the exact copies (windows and kept tokens) held as fp8 e4m3 with an fp16 scale per
+  (token, KV head) (:func:`sglang_tasq.salient.fp8_rows`; keys pre-RoPE) instead of bf16: 8.25
+  bits per element at d = 64 instead of 16. A decode-view measurement: the server holds bf16.
 
 Bits all-in, per element, averaged over keys and values at the measured mean prompt length T:
-the codes' bits (scales included) + the windows' 16-bit copies ``min(sink + recent, T) / T * 16``
-+ the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
+the codes' bits (scales included) + the windows' copies ``min(sink + recent, T) / T * 16`` (8.25
+for ``x8``) + the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
 
 Every (point, length) is one item JSON under the run folder, named by the model, preset, samples
 and tasks (resumable; several processes may fill one folder with different points; an artifact
@@ -62,7 +65,7 @@ from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
 _POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:/(?P<blk>\d+)(?:L(?P<lay>\d+))?)?(?:a(?P<a>\d+))?(?P<e>[eb])?)?"
-                    r"(?::(?P<q>later|first))?$")
+                    r"(?::(?P<x>x8))?(?::(?P<q>later|first))?$")
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,13 @@ class Point:
     rule: str = "obs"
     block: int | None = None
     layer: int = 0
+    side: str = "bf16"  # how the exact copies (windows, kept tokens) are held: bf16, or fp8 (":x8")
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:later|:first], "
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:x8][:later|:first], "
                              "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")
@@ -92,7 +96,7 @@ class Point:
         after = None if m["a"] is None else int(m["a"])
         point = cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
                     m["q"] == "first", {"e": "echo", "b": "both"}.get(m["e"], "obs"),
-                    None if m["blk"] is None else int(m["blk"]), int(m["lay"] or 0))
+                    None if m["blk"] is None else int(m["blk"]), int(m["lay"] or 0), "fp8" if m["x"] else "bf16")
         if point.block is not None:
             try:
                 point.salient().check_windows(point.sink, point.recent)
@@ -115,7 +119,8 @@ class Point:
             return "bf16" + self.order_suffix
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
         return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"/{self.block}" + (f"L{self.layer}" if self.layer else "") if self.block else "") + (f"a{self.after}" if self.after is not None else "")
-                + {"obs": "", "echo": "e", "both": "b"}[self.rule] if self.budget else "") + self.order_suffix
+                + {"obs": "", "echo": "e", "both": "b"}[self.rule] if self.budget else "") \
+            + (":x8" if self.side == "fp8" else "") + self.order_suffix
 
     @property
     def slug(self) -> str:
@@ -139,7 +144,8 @@ def bits_all_in(point: Point, code_bits: tuple, T: float, head_dim: int) -> floa
 
     if point.method == "bf16":
         return 16.0
-    extra = window_bits(point.sink, point.recent, T) + side_bits(point.kept_tokens(T), T, head_dim)
+    extra = window_bits(point.sink, point.recent, T, point.side, head_dim) \
+        + side_bits(point.kept_tokens(T), T, head_dim, point.side)
     return round((code_bits[0] + code_bits[1]) / 2 + extra, 3)
 
 
@@ -164,7 +170,8 @@ def evaluate(model, tok, method, point: Point, length: int, n: int, tasks=tuple(
         for s in _samples(tok, task, length, n, point.question):
             split = question_split(tok, s) if point.later else None
             outs.append(greedy(model, tok, s["prompt"], method, point.sink, point.recent, s["outputs"],
-                               token_cap(s, max_new), "decode", salient=point.salient(), split=split))
+                               token_cap(s, max_new), "decode", salient=point.salient(), split=split,
+                               side=point.side))
             preds.append({"task": task, "index": s["index"], "length": s["length"], "gold": s["outputs"],
                           "pred": outs[-1]})
             lengths.append(s["length"])

@@ -57,7 +57,7 @@ def _found_all(text: str, gold) -> bool:
 
 @torch.no_grad()
 def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max_new: int = 128,
-           view: str = "decode", salient=None, split: int | None = None) -> str:
+           view: str = "decode", salient=None, split: int | None = None, side: str = "bf16") -> str:
     """Greedy continuation of ``prompt`` (no special tokens added) under ``method``.
 
     view "decode": prompt tokens attend through the windows too (the rule of
@@ -69,12 +69,13 @@ def greedy(model, tok, prompt: str, method, sink: int, recent: int, gold=(), max
 
     salient: a :class:`sglang_tasq.salient.SalientSpec` (decode view): tokens kept exact, chosen
     when the prompt's first ``split`` tokens have been read (default: the whole prompt); the
-    prompt is then run as two forwards, ``[:split]`` and the rest (the question asked later)."""
+    prompt is then run as two forwards, ``[:split]`` and the rest (the question asked later).
+    side: how the exact copies are held (:class:`bench.attention_error.ProbeCache`)."""
     if view not in GREEDY_VIEWS:
         raise ValueError(f"view {view!r}: allowed {GREEDY_VIEWS}")
     ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
     eos, out = _eos_ids(model, tok), []
-    cache = ProbeCache(method)
+    cache = ProbeCache(method, side)
     if salient is not None and view != "decode":
         raise ValueError("salient tokens are measured in the decode view")
     split = len(ids) if split is None else split

@@ -279,11 +279,32 @@ def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:
     return m.scatter_(1, kept.long(), True) if kept.numel() else m
 
 
-def side_bits(budget: int, T: int, head_dim: int) -> float:
+SIDE_FORMATS = ("bf16", "fp8")  # how the exact copies (windows, kept tokens) are held
+
+
+def copy_bits(side: str, head_dim: int) -> float:
+    """Bits per element of one exact copy: bf16, or fp8 e4m3 with an fp16 scale per (token, KV
+    head) (:func:`fp8_rows`)."""
+    if side not in SIDE_FORMATS:
+        raise ValueError(f"side format {side!r}: allowed {SIDE_FORMATS}")
+    return 16.0 if side == "bf16" else 8 + 16 / head_dim
+
+
+def fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> x held as fp8 e4m3 with one fp16 scale per row (absmax / 448), read back
+    in x's dtype: what an fp8 side buffer returns."""
+    FP8_MAX = 448.0
+    scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(2 ** -24).to(torch.float16).float()
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def side_bits(budget: int, T: int, head_dim: int, side: str = "bf16") -> float:
     """Bits per element each side (keys, values) spends on kept tokens over a prompt of T."""
-    return min(budget, T) / T * (16 + POSITION_BITS / 2 / head_dim)
+    return min(budget, T) / T * (copy_bits(side, head_dim) + POSITION_BITS / 2 / head_dim)
 
 
-def window_bits(sink: int, recent: int, T: int) -> float:
-    """Bits per element each side the exact windows add over a prompt of T tokens (16-bit copies)."""
-    return min(sink + recent, T) / T * 16
+def window_bits(sink: int, recent: int, T: int, side: str = "bf16", head_dim: int = 64) -> float:
+    """Bits per element each side the exact windows add over a prompt of T tokens (bf16 copies,
+    or fp8 ones: :func:`copy_bits`)."""
+    return min(sink + recent, T) / T * copy_bits(side, head_dim)

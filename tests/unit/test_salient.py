@@ -9,7 +9,8 @@ from bench import retrieval as R
 from bench import ruler
 from sglang_tasq import salient as sal
 from sglang_tasq.config import TaSQConfig
-from sglang_tasq.hf.cache import TaSQCache
+from sglang_tasq.hf.cache import TaSQCache, unrotate_keys
+from sglang_tasq.rope import apply_rope
 from sglang_tasq.testing import random_codebooks
 
 V = 128
@@ -436,6 +437,25 @@ def test_points_parse_and_bits():
     assert R.bits_all_in(R.Point.parse("tasq:none"), (1.333, 1.25), 1000, 64) == pytest.approx(1.2915, abs=1e-3)
     want = 1.2915 + 5.12 + 32 / 1000 * 16.25
     assert R.bits_all_in(R.Point.parse("tasq:64+256:s32"), (1.333, 1.25), 1000, 64) == pytest.approx(want, abs=1e-3)
+    x8 = R.Point.parse("tasq:64+256:S16/128L12a12e:x8:first")
+    assert x8.side == "fp8" and x8.first and x8.name == "tasq:64+256:S16/128L12a12e:x8:first"
+    assert R.Point.parse(x8.name) == x8 and x8.slug != st.slug and R.Point.parse("tasq").side == "bf16"
+    want = 1.2915 + 320 / 1000 * 8.25 + 16 / 128 * 8.5  # fp8 copies with an fp16 scale per (token, head)
+    assert R.bits_all_in(R.Point.parse("tasq:64+256:S16/128a12e:x8"), (1.333, 1.25), 1000, 64) == pytest.approx(want, abs=1e-3)
+    with pytest.raises(ValueError):
+        R.Point.parse("tasq:64+256:x8:s3")
+
+
+def test_fp8_side_copies():
+    """fp8 rows: e4m3 with an fp16 absmax scale per row (relative error <= 2^-4 of the row's
+    absmax); the decode view's fp8 side buffer moves the logits a little, not far."""
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    y = sal.fp8_rows(x)
+    err = (y - x).abs().amax(-1) / x.abs().amax(-1)
+    assert float(err.max()) <= 2 ** -4 and float(err.mean()) > 0
+    assert torch.equal(sal.fp8_rows(torch.zeros(2, 8)), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="side format"):
+        sal.copy_bits("int4", 64)
 
 
 def test_summary_pairs_points_over_the_same_samples():
@@ -484,3 +504,28 @@ def test_run_folder_refuses_a_recalibrated_artifact(tmp_path):
     # a float32-model run gets its own folder; bf16 keeps the folder names it had
     assert R.run_name("m", "default", 8, ["t"], None, "float32") != R.run_name("m", "default", 8, ["t"], None)
     assert R.run_name("m", "default", 8, ["t"], None, "bfloat16") == R.run_name("m", "default", 8, ["t"], None)
+
+
+def test_decode_view_fp8_side_buffer(model, method):
+    """ProbeCache(side="fp8") holds values as fp8 rows and keys as fp8 rows of their pre-RoPE
+    form, re-rotated; with every token in the windows the logits move a little from bf16 copies."""
+    ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(3))
+
+    def run(side):
+        cache = ae.ProbeCache(method, side)
+        with torch.no_grad(), ae.active(ae.Probe(cache, 1000, 0)):
+            logits = model(ids[None], past_key_values=cache).logits[0]
+        return logits, cache
+
+    exact, c16 = run("bf16")
+    held, c8 = run("fp8")
+    k16, v16 = c16.exact_kv(0)  # layer 0: the same inputs either way
+    k8, v8 = c8.exact_kv(0)
+    assert torch.equal(v8, sal.fp8_rows(v16))
+    keys = method.keys
+    pre = unrotate_keys(k16[0].transpose(0, 1), torch.arange(40), keys.inv_freq, keys.attention_scaling)
+    want = apply_rope(sal.fp8_rows(pre), torch.arange(40), keys.inv_freq, keys.attention_scaling)
+    assert torch.allclose(k8[0].transpose(0, 1), want, atol=1e-5)
+    assert not torch.equal(held, exact) and torch.allclose(held, exact, atol=0.05 * float(exact.abs().max()))
+    with pytest.raises(ValueError, match="side format"):
+        ae.ProbeCache(method, "int4")

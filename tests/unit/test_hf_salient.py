@@ -24,6 +24,21 @@ def model():
     return tiny_decode_view_llama(V)
 
 
+def _tiny_qwen3():
+    """A random-weight Qwen3 (per-head q_norm / k_norm) on the decode-view attention."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, intermediate_size=128, max_position_embeddings=1024)
+    m = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so that a tap skipping q_norm would read other queries
+        for layer in m.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+    ae.use_decode_view(m)
+    return m
+
+
 @pytest.fixture(scope="module")
 def plain():
     return random_codebooks(2, 2, 16, config=TaSQConfig(codebook_size_k=16, codebook_size_v=16), seed=5)
@@ -54,9 +69,12 @@ def _token_by_token(model, cache, ids, steps):
     return torch.stack(out)
 
 
-def test_fed_token_by_token_it_reads_what_the_decode_view_reads(model, plain, salient):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fed_token_by_token_it_reads_what_the_decode_view_reads(model, plain, salient, arch):
     """Same kept set and same logits as the decode view's streaming rule on one forward of the
-    prompt; the kept tokens change the logits (against the windows alone) past the first horizon."""
+    prompt; the kept tokens change the logits (against the windows alone) past the first horizon.
+    Qwen3: the tap applies the attention module's q_norm, as HF does."""
+    model = model if arch == "llama" else _tiny_qwen3()
     ids, steps = _ids(160, 10), 3
     spec, recent = salient.config.salient_spec(), _recent(salient)
     cache = TaSQCache(salient, SINK, recent, model=model)

@@ -37,8 +37,9 @@ class SalientState:
         return grown
 
     def step(self, layer, T0: int, T1: int) -> None:
-        """After ``layer`` (a :class:`sglang_tasq.hf.cache.QuantizedKVLayer`) appended the tokens [T0, T1): score their echo (layers up to the deciding
-        one); at the deciding layer, decide every block the scored tokens reach."""
+        """After ``layer`` (a :class:`sglang_tasq.hf.cache.QuantizedKVLayer`) appended the tokens
+        [T0, T1): score their echo (layers up to the deciding one); at the deciding layer, decide
+        every block the scored tokens reach."""
         spec, lid = self.spec, layer.layer_idx
         if lid > spec.layer:
             return

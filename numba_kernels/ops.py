@@ -115,7 +115,10 @@ def _permuted_queries(q: torch.Tensor, tables: LayerTables) -> torch.Tensor:
     return torch.gather(q.float(), 2, perm.unsqueeze(0).expand(N, Hq, d)).contiguous()
 
 
-def _common(q, tables, k_codes, v_codes, k_scale, kv_indptr, kv_indices, k_full, v_full, sink, recent):
+def _common(q, tables, k_codes, v_codes, k_scale, kv_indptr, kv_indices, k_full, v_full, sink, recent,
+            full: bool = False):
+    """Checks shared by the attention wrappers -> (k_full kind, k_full, v_full); ``full``: the
+    exact copies are read even without windows (kept slots)."""
     H, d = tables.num_kv_heads, tables.head_dim
     if q.dim() != 3 or q.shape[2] != d or q.shape[1] % H:
         raise ValueError(f"q: shape {tuple(q.shape)}, expected [N, Hq, {d}] with Hq a multiple of H={H}")
@@ -125,7 +128,7 @@ def _common(q, tables, k_codes, v_codes, k_scale, kv_indptr, kv_indices, k_full,
     _check(kv_indices, "kv_indices", dtype=torch.int32)
     if sink < 0 or recent < 0:
         raise ValueError(f"sink={sink}, recent={recent}: must be >= 0")
-    if sink + recent > 0:
+    if sink + recent > 0 or full:
         if k_full is None or v_full is None:
             raise ValueError("sink/recent windows need k_full and v_full [S, H, d]")
         S = k_codes.shape[0]
@@ -168,7 +171,7 @@ def decode_attention(q: torch.Tensor, k_codes, v_codes, k_scale, kv_indptr: torc
             raise ValueError("kept slots are read from k_full and v_full [S, H, d]: pass them")
         _check(kept, "kept", (k_codes.shape[0],), torch.uint8)
     fkind, k_full, v_full = _common(q, tables, k_codes, v_codes, k_scale, kv_indptr, kv_indices,
-                                    k_full, v_full, max(sink, int(kept is not None)), recent)
+                                    k_full, v_full, sink, recent, full=kept is not None)
     rep = Hq // H
     cfg = tables.config
     nt, lmax = attention.plan(rep, 1, cfg.group_size_v, d)
@@ -249,7 +252,8 @@ def extend_attention(q: torch.Tensor, k_chunk: torch.Tensor, v_chunk: torch.Tens
         _launch(spec, (ns, H, len(tiles)), nt, _arr(_permuted_queries(q, tables)), _arr(k_codes), _arr(v_codes),
                 _arr(_scale_arg(k_scale, tables)), _arr(k_full), _arr(v_full), _arr(kv_indptr), _arr(kv_indices),
                 _arr(qtiles), _arr(tables.k_cb), _arr(tables.v_cb), _arr(tables.rope_freq), _arr(tables.k_perm),
-                _arr(torch.zeros(1, dtype=torch.uint8, device=q.device)), split_len, sink, recent, sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
+                _arr(torch.zeros(1, dtype=torch.uint8, device=q.device)), split_len, sink, recent,
+                sm_scale * tables.attention_scaling, _arr(part_acc), _arr(part_ml))
     spec = extend.chunk_kernel(d, rep, ckind)
     _launch(spec, (N, H), d, _arr(q.float().contiguous()), _arr(k_chunk), _arr(v_chunk), _arr(row_req_t),
             _arr(qo_indptr), sm_scale, _arr(part_acc), _arr(part_ml))

@@ -73,6 +73,14 @@ def test_wrappers_reject_bad_inputs():
         ops.decode_attention(q, pool["k_codes"][:, :-1].contiguous(), *args[1:], ptr, idx, tb, 0.25)
     with pytest.raises(ValueError, match="q: shape"):
         ops.decode_attention(torch.randn(1, 3, 16), *args, ptr, idx, tb, 0.25)
+    kept = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kept slots are read from k_full"):
+        ops.decode_attention(q, *args, ptr, idx, tb, 0.25, kept=kept)
+    full = torch.zeros(8, 2, 16, dtype=torch.float16)
+    with pytest.raises((TypeError, ValueError), match="kept"):
+        ops.decode_attention(q, *args, ptr, idx, tb, 0.25, full, full, kept=kept.bool())
+    with pytest.raises((TypeError, ValueError), match="kept"):
+        ops.decode_attention(q, *args, ptr, idx, tb, 0.25, full, full, kept=kept[:5])
     with pytest.raises(TypeError, match="loc"):
         ops.encode_kv(torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.int16), tb, *args)
     with pytest.raises(ValueError, match="dense key weighting"):

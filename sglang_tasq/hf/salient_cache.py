@@ -12,6 +12,8 @@ import torch
 
 from .. import salient as sal
 from ..windows import window_columns
+
+
 class SalientState:
     """Salient tokens of one cache (module docstring): the echo rows of the layers up to the
     deciding one (fp16 [B, H, cap] each), the kept flags ([B, cap] bool) and the blocks decided."""
@@ -126,4 +128,3 @@ class QueryTap:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-

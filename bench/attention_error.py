@@ -67,7 +67,8 @@ class ProbeCache(QuantizedKVCache):
         out = torch.empty_like(x)
         for b in range(x.shape[0]):
             pre = unrotate_keys(x[b].transpose(0, 1), pos, keys.inv_freq, keys.attention_scaling)
-            out[b] = apply_rope(sal.fp8_rows(pre), pos, keys.inv_freq, keys.attention_scaling).transpose(0, 1).to(x.dtype)
+            held = apply_rope(sal.fp8_rows(pre), pos, keys.inv_freq, keys.attention_scaling)
+            out[b] = held.transpose(0, 1).to(x.dtype)
         return out
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

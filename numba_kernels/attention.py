@@ -18,8 +18,9 @@ memory while it is used (numba.md, "Sizing the decode kernel"):
 Window rule: token i of a request holding n cached tokens reads k_full/v_full (pre-RoPE,
 native order, [S, H, d]) when ``i < sink`` or ``i >= n - recent``; its key is rotated
 in-kernel exactly like a decoded one. With ``kept`` (salient tokens, issue 14), token i also reads
-k_full/v_full when ``kept[slot] != 0`` (u8 [S], indexed like k_full by slot). ``reduce_kernel`` merges the splits (and, for extend,
-the chunk partial stored at split index NS - 1) into out [rows, Hq, d].
+k_full/v_full when ``kept[slot] != 0`` (u8 [S], indexed like k_full by slot). ``reduce_kernel``
+merges the splits (and, for extend, the chunk partial stored at split index NS - 1) into
+out [rows, Hq, d].
 """
 from __future__ import annotations
 

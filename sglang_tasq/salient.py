@@ -279,6 +279,7 @@ def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:
     return m.scatter_(1, kept.long(), True) if kept.numel() else m
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SIDE_FORMATS = ("bf16", "fp8")  # how the exact copies (windows, kept tokens) are held
 
 
@@ -293,7 +294,6 @@ def copy_bits(side: str, head_dim: int) -> float:
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., d] -> x held as fp8 e4m3 with one fp16 scale per row (absmax / 448), read back
     in x's dtype: what an fp8 side buffer returns."""
-    FP8_MAX = 448.0
     scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(2 ** -24).to(torch.float16).float()
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (q.float() * scale).to(x.dtype)

@@ -18,8 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..packing import pack_codes, unpack_codes
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from ..salient import FP8_MAX  # noqa: F401 (re-exported: largest finite float8_e4m3fn)
 
 
 @runtime_checkable

@@ -284,18 +284,20 @@ class QuantizedKVLayer(DynamicLayer):
         if not self.is_initialized:
             return out
         B, H, T, d = self.bufs["k"].shape
-        per_tok = B * H * d * self.bufs["k"].element_size()
+        per_row = H * d * self.bufs["k"].element_size()
+        sink, st = self.cache.sink, self.cache.salient_state
         for side in self.sides.values():
             for store in side.rows:
                 out.update(store.nbytes())
             out["state"] += sum(t.nbytes for t in side.state.values())
-            if windows and not side.q.exact:  # fp tokens: sink, recent window, uncoded partial block
-                out["window"] += (T - max(0, min(side.coded, T - self.cache.recent) - self.cache.sink)) * per_tok
-            st = self.cache.salient_state
-            keep = None if st is None or side.q.exact else \
-                st.kept_between(self.layer_idx, self.cache.sink, max(self.cache.sink, min(side.coded, T - self.cache.recent)))
+            if side.q.exact:
+                continue
+            hi = max(sink, min(side.coded, T - self.cache.recent))  # [sink, hi): read from codes
+            if windows:  # fp tokens: sink, recent window, uncoded partial block
+                out["window"] += (T - (hi - sink)) * B * per_row
+            keep = None if st is None else st.kept_between(self.layer_idx, sink, hi)
             if keep is not None:  # kept tokens outside the windows: their exact copies
-                out["salient"] += int(keep.sum()) * H * d * self.bufs["k"].element_size()
+                out["salient"] += int(keep.sum()) * per_row
         return out
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -376,7 +378,7 @@ class TaSQCache(QuantizedKVCache):
 
     An artifact that keeps salient tokens (``config.salient_budget``) keeps them here too, by the
     same rule as the server: pass ``model=`` (the cache reads its queries), or ``salient=False``
-    for the windows alone (an ablation; refused silently never)."""
+    for the windows alone (an ablation, chosen by name: never a silent fallback)."""
 
     def __init__(self, codebooks: Codebooks, sink: int = 64, recent: int = 256, keys: bool = True,
                  values: bool = True, fresh_exact: bool = True, model: torch.nn.Module | None = None,

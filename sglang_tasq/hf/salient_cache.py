@@ -92,7 +92,8 @@ class QueryTap:
 
     def __init__(self, model: torch.nn.Module, state: SalientState, last: int):
         found = {m.layer_idx: m for m in model.modules()
-                 if isinstance(getattr(m, "q_proj", None), torch.nn.Module) and isinstance(getattr(m, "layer_idx", None), int)}
+                 if isinstance(getattr(m, "q_proj", None), torch.nn.Module)
+                 and isinstance(getattr(m, "layer_idx", None), int)}
         missing = [i for i in range(last + 1) if i not in found]
         if missing:
             raise ValueError(f"tasq: salient tokens read the queries of layers 0..{last}; {type(model).__name__} has no "
@@ -105,7 +106,8 @@ class QueryTap:
     def _tap(self, attn: torch.nn.Module, ref) -> None:
         rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
         if rope is None:
-            raise ValueError(f"tasq: {type(attn).__name__}'s module has no apply_rotary_pos_emb: cannot read its queries")
+            raise ValueError(f"tasq: {type(attn).__name__}'s module has no apply_rotary_pos_emb: "
+                             "cannot read its queries")
         seen: dict = {}
 
         def before(mod, args, kwargs):

@@ -4,9 +4,9 @@ The simulator must be on before numba is imported, so the check runs this file a
 script (``NUMBA_ENABLE_CUDASIM=1 python tests/kernels/test_salient_cuda.py``), which prints one
 JSON line. Setup: the pool, data and driver of test_salient_pool.py (3 layers, deciding layer 1,
 blocks of 8 keeping 2, sink 2, recent 41; codebooks made fp16-exact, as the device tables hold
-them); one request of 54 tokens prefilled in uneven chunks, then 2 decode steps, every layer through the backend's CUDA branch (``_forward_adapter``: the adapter's store,
-the backend's echo and decision between store and attention, torch extend, the Numba decode
-kernel with kept flags) and, on the same pool, through the CPU path. Checked: the kept slots are
+them); one request of 54 tokens prefilled in uneven chunks, then 2 decode steps, every layer
+through the backend's CUDA branch (``_forward_adapter``: the adapter's store, the backend's echo
+and decision between store and attention, torch extend, the Numba decode kernel with kept flags) and, on the same pool, through the CPU path. Checked: the kept slots are
 the plain-torch reference decision, the adapter's attention equals the CPU path's at every layer
 and position (fp32 windows), and the decode steps do read kept slots outside the windows.
 """

@@ -27,6 +27,9 @@ GROUPINGS = ("covariance", "contiguous", "channels", "stratified")
 KEY_ROPES = ("pre", "post")
 # "tree": the two-level fit of artifacts made before the flat Lloyd (recorded, no longer fitted)
 KMEANS = ("flat", "tree")
+# how the exact copies (windows, salient tokens) are held: bf16, or fp8 e4m3 + an fp16 scale per
+# (token, KV head)
+EXACT_FORMATS = ("bf16", "fp8")
 ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "dense_weighting")
 # the rates a user picks by name (``calibrate --rate``): name -> (group_size_k, codebook_size_k,
 # group_size_v, codebook_size_v); the name is about the mean code bits per element of keys and
@@ -92,6 +95,9 @@ class TaSQConfig:
     salient_block: int = 192
     salient_layer: int = 0
     salient_after: int = 12
+    # how the server holds its exact copies (windows, salient tokens): "bf16", or "fp8" (e4m3 with
+    # one fp16 scale per (token, KV head), keys pre-RoPE: sglang_tasq.salient.fp8_encode)
+    exact_format: str = "bf16"
 
     def __post_init__(self) -> None:
         if isinstance(self.mix_layers, list):  # from JSON
@@ -134,6 +140,11 @@ class TaSQConfig:
         for name in ("sink_window", "recent_window", "kmeans_tol"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.exact_format not in EXACT_FORMATS:
+            raise ConfigError(f"exact_format={self.exact_format!r}: allowed {EXACT_FORMATS}")
+        if self.exact_format != "bf16" and not (self.sink_window + self.recent_window):
+            raise ConfigError(f"exact_format={self.exact_format!r} without windows (sink_window=recent_window=0): "
+                              "there are no exact copies to hold")
         self._check_mix()
         try:
             spec = self.salient_spec()

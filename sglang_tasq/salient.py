@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import EXACT_FORMATS
+
 RULES = ("obs", "echo", "both")
 ECHO_SKIP = 1  # the first prompt token is the attention sink: no echo selection reads it
 ECHO_WINDOW = 65  # an echo score counts above the median of the 65 positions around it
@@ -280,7 +282,7 @@ def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SIDE_FORMATS = ("bf16", "fp8")  # how the exact copies (windows, kept tokens) are held
+SIDE_FORMATS = EXACT_FORMATS  # how the exact copies (windows, kept tokens) are held
 
 
 def copy_bits(side: str, head_dim: int) -> float:
@@ -291,12 +293,23 @@ def copy_bits(side: str, head_dim: int) -> float:
     return 16.0 if side == "bf16" else 8 + 16 / head_dim
 
 
+def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes [..., d] uint8: float8_e4m3fn bits of x / scale, scale [...] fp16 =
+    absmax / 448 per row): how an fp8 side buffer (the server's exact store) holds x."""
+    scale = (x.float().abs().amax(-1) / FP8_MAX).clamp_min(2 ** -24).to(torch.float16)
+    q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(codes [..., d] uint8, scale [...] fp16) of :func:`fp8_encode` -> [..., d] f32."""
+    return codes.view(torch.float8_e4m3fn).float() * scale.float()[..., None]
+
+
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., d] -> x held as fp8 e4m3 with one fp16 scale per row (absmax / 448), read back
-    in x's dtype: what an fp8 side buffer returns."""
-    scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(2 ** -24).to(torch.float16).float()
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    in x's dtype: what an fp8 side buffer returns (:func:`fp8_encode`, :func:`fp8_decode`)."""
+    return fp8_decode(*fp8_encode(x)).to(x.dtype)
 
 
 def side_bits(budget: int, T: int, head_dim: int, side: str = "bf16") -> float:

@@ -10,7 +10,7 @@ token, in how many chunks, or whether it came from the radix cache: so the same 
 the same answer cold, warm, chunked, batched or after a retraction. For a decode step at
 sequence length ``S`` the query sits at ``i = S - 1``: ``j < sink or j >= S - recent``.
 
-:class:`ExactStore` keeps the exact (bf16, pre-RoPE) copies keyed by **KV slot**, the unit
+:class:`ExactStore` keeps the exact (bf16 or fp8, pre-RoPE) copies keyed by **KV slot**, the unit
 SGLang shares through its radix cache: a slot's entry is shared with every request whose
 prefix holds that slot, exactly like its codes. Entries are made when a token is written
 inside the window of the forward that writes it, refreshed whenever a slot is rewritten (so a
@@ -85,9 +85,11 @@ def store_entries(sink: int, recent: int, rows: int) -> int:
     return max(1, int(rows)) * (sink + 2 * recent)
 
 
-def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int) -> int:
-    """Bytes of one exact-store entry: bf16 keys + values of every layer, owner, stamp, free list."""
-    return 2 * num_kv_heads * head_dim * 2 * num_layers + 24
+def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int, fmt: str = "bf16") -> int:
+    """Bytes of one exact-store entry: keys + values of every layer (bf16; or fp8 with an fp16
+    scale per KV head, ``fmt="fp8"``), owner, stamp, free list."""
+    row = num_kv_heads * head_dim * 2 if fmt == "bf16" else num_kv_heads * (head_dim + 2)
+    return 2 * row * num_layers + 24
 
 
 def salient_entries(cfg, num_slots: int, forward_tokens: int) -> int:
@@ -110,7 +112,8 @@ def salient_bytes_per_token(cfg, num_kv_heads: int, head_dim: int, num_layers: i
     slot's echo scores (fp16) and its kept flag."""
     if not cfg.salient_budget:
         return 0
-    share = -(-cfg.salient_budget * entry_bytes(num_kv_heads, head_dim, num_layers) // cfg.salient_block)
+    share = -(-cfg.salient_budget * entry_bytes(num_kv_heads, head_dim, num_layers, cfg.exact_format)
+              // cfg.salient_block)
     return share + 2 * echo_row_width(cfg, num_kv_heads) + 1
 
 
@@ -126,10 +129,11 @@ def cell_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
 def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int, forward_tokens: int = 0) -> int:
     """Fixed bytes of the exact store for ``rows`` running requests (and, with salient tokens, the
     entries of one forward's new tokens; their per-slot share is charged per token slot by
-    :func:`salient_bytes_per_token`): bf16 keys + values of every layer plus owner and stamp per
-    entry, and its free list (the per-slot index is :data:`SLOT_INDEX_BYTES`, charged per slot)."""
+    :func:`salient_bytes_per_token`): keys + values of every layer (``cfg.exact_format``) plus owner
+    and stamp per entry, and its free list (the per-slot index is :data:`SLOT_INDEX_BYTES`, charged
+    per slot)."""
     E = store_entries(cfg.sink_window, cfg.recent_window, rows) + salient_entries(cfg, 0, forward_tokens)
-    return (E + 1) * entry_bytes(num_kv_heads, head_dim, num_layers) - 8
+    return (E + 1) * entry_bytes(num_kv_heads, head_dim, num_layers, cfg.exact_format) - 8
 
 
 class ExactStoreFull(RuntimeError):
@@ -137,20 +141,32 @@ class ExactStoreFull(RuntimeError):
 
 
 class ExactStore:
-    """Exact bf16 K/V copies for ``num_entries`` KV slots, keyed by slot (entry 0 = none).
+    """Exact K/V copies for ``num_entries`` KV slots, keyed by slot (entry 0 = none).
 
-    ``k[l]``, ``v[l]``: [E + 1, H, d] bf16 (keys pre-RoPE); ``entry_of`` [num_slots] int64 slot
-    -> entry; ``owner`` [E + 1] entry -> slot (-1 free); ``stamp`` [E + 1] the clock of last use.
-    Eviction (LRU, never a pinned entry or one used at the current clock) runs only when the
+    ``k[l]``, ``v[l]``: [E + 1, H, d] (keys pre-RoPE): bf16, or with ``fmt="fp8"`` uint8
+    float8_e4m3fn bits with one fp16 scale per (entry, KV head) in ``k_scale[l]``/``v_scale[l]``
+    [E + 1, H] (:func:`sglang_tasq.salient.fp8_encode`; None for bf16). Write with :meth:`write`,
+    read with :meth:`read` (f32), so every reader sees one rounding. ``entry_of`` [num_slots] int64
+    slot -> entry; ``owner`` [E + 1] entry -> slot (-1 free); ``stamp`` [E + 1] the clock of last
+    use. Eviction (LRU, never a pinned entry or one used at the current clock) runs only when the
     free list is empty.
     """
 
     def __init__(self, num_slots: int, num_entries: int, num_layers: int, num_heads: int, head_dim: int,
-                 device="cpu", dtype=torch.bfloat16):
+                 device="cpu", fmt: str = "bf16"):
+        from .config import EXACT_FORMATS
+
+        if fmt not in EXACT_FORMATS:
+            raise ValueError(f"exact store format {fmt!r}: allowed {EXACT_FORMATS}")
         E = int(num_entries)
-        self.capacity = E
+        self.capacity, self.fmt = E, fmt
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.uint8
         self.k = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_scale = self.v_scale = None
+        if fmt == "fp8":
+            self.k_scale = [torch.zeros(E + 1, num_heads, dtype=torch.float16, device=device) for _ in range(num_layers)]
+            self.v_scale = [torch.zeros(E + 1, num_heads, dtype=torch.float16, device=device) for _ in range(num_layers)]
         self.entry_of = torch.zeros(num_slots, dtype=torch.int64, device=device)
         # salient tokens: a slot whose token its prefix chose to keep exact (read exactly by every
         # later query from the deciding layer on); a property of the slot, reset when it is rewritten
@@ -163,8 +179,45 @@ class ExactStore:
         self.evictions = 0
 
     def nbytes(self) -> int:
-        t = sum(x.numel() * x.element_size() for x in self.k + self.v)
+        t = sum(x.numel() * x.element_size() for x in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
         return t + sum(x.numel() * 8 for x in (self.entry_of, self.owner, self.stamp, self._free)) + self.kept.numel()
+
+    # ---- contents ------------------------------------------------------------------------
+    def held(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H, d] as this store returns it after a write (f32): one rounding for every reader."""
+        if self.fmt == "bf16":
+            return x.to(torch.bfloat16).float()
+        from .salient import fp8_decode, fp8_encode
+
+        return fp8_decode(*fp8_encode(x))
+
+    def write(self, layer: int, ent: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor) -> None:
+        """Store pre-RoPE keys and values [n, H, d] of local layer ``layer`` in entries ``ent`` [n] (> 0)."""
+        if self.fmt == "bf16":
+            self.k[layer][ent] = k_pre.to(self.k[layer].device, torch.bfloat16)
+            self.v[layer][ent] = v.to(self.v[layer].device, torch.bfloat16)
+            return
+        from .salient import fp8_encode
+
+        for buf, sbuf, x in ((self.k, self.k_scale, k_pre), (self.v, self.v_scale, v)):
+            codes, scale = fp8_encode(x.to(buf[layer].device))
+            buf[layer][ent] = codes
+            sbuf[layer][ent] = scale
+
+    def read(self, layer: int, ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-RoPE keys, values) [n, H, d] f32 of entries ``ent`` [n] of local layer ``layer``."""
+        return self.read_k(layer, ent), self._read(self.v, self.v_scale, layer, ent)
+
+    def read_k(self, layer: int, ent: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [n, H, d] f32 of entries ``ent`` of local layer ``layer``."""
+        return self._read(self.k, self.k_scale, layer, ent)
+
+    def _read(self, buf, sbuf, layer: int, ent: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "bf16":
+            return buf[layer][ent].float()
+        from .salient import fp8_decode
+
+        return fp8_decode(buf[layer][ent], sbuf[layer][ent])
 
     def tick(self) -> None:
         self.clock += 1

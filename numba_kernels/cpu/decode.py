@@ -67,8 +67,8 @@ def _exp_le0(x):
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
-                      scale_mode, cos_t, sin_t, composed, entry_of, kept, win_k, win_v, sink, recent, sm_scale,
-                      chunk, nsplit, part_m, part_l, part_o, out):
+                      scale_mode, cos_t, sin_t, composed, entry_of, kept, win_k, win_v, win_ks, win_vs, fp8_lut,
+                      sink, recent, sm_scale, chunk, nsplit, part_m, part_l, part_o, out):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
     request's end is empty), so a batch of one still fills every thread, and a request's
@@ -93,7 +93,9 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     0``; ``kept`` uint8 [>= slots], or empty: none kept), is read from its slot's bf16
     exact-store entry where it has one (``entry_of[slot]``, 0 = none; ``win_k``/``win_v``
     [E + 1, 1, H, d]; :func:`_window_entry`) in native pair order (no permutation to
-    gather). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
+    gather): bf16 bits (uint16), or with a non-empty ``fp8_lut`` (float8_e4m3fn code -> f32,
+    256 entries) fp8 codes (uint8) times the entry's fp16 scale per head (``win_ks``/``win_vs``
+    [E + 1, H], their bits). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
     fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
@@ -103,6 +105,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     n_scales = (kbuf.shape[1] - code_bytes_k) // 2  # a key row is codes ++ its fp16 scales
     hps = H // n_scales if n_scales > 0 else 1  # heads per scale (1 for per_head)
     P = d // 2
+    fp8 = fp8_lut.shape[0] > 0
     # composed RoPE (the plan checked the table is one: cos_t[t] = m cos(t theta), sin_t[0] = 0):
     # position t of a split starting at t0 rotates by R_t = R_t0 R_(t - t0) / m, so the query
     # is turned back by R_t0 once per split and each key is rotated by a row of the first
@@ -209,10 +212,16 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
             for i in range(i0, i1):
                 t = t_lo + i
                 widx = wid[i]
-                if widx >= 0:  # bf16 window entry: native pair order (contiguous halves and RoPE rows)
-                    for p in range(P):
-                        ka[p] = _bf16_bits_to_f32(win_k[widx, 0, h, p])
-                        kb_[p] = _bf16_bits_to_f32(win_k[widx, 0, h, P + p])
+                if widx >= 0:  # exact entry: native pair order (contiguous halves and RoPE rows)
+                    if fp8:
+                        s8 = _half_bits_to_f32(win_ks[widx, h])
+                        for p in range(P):
+                            ka[p] = fp8_lut[win_k[widx, 0, h, p]] * s8
+                            kb_[p] = fp8_lut[win_k[widx, 0, h, P + p]] * s8
+                    else:
+                        for p in range(P):
+                            ka[p] = _bf16_bits_to_f32(np.uint16(win_k[widx, 0, h, p]))
+                            kb_[p] = _bf16_bits_to_f32(np.uint16(win_k[widx, 0, h, P + p]))
                     for r in range(rep):
                         acc = np.float32(0.0)
                         for p in range(P):
@@ -258,8 +267,13 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         for i in range(nt):
             widx = wid[i]
             if widx >= 0:
-                for c in range(d):
-                    vt[c] = _bf16_bits_to_f32(win_v[widx, 0, h, c])
+                if fp8:
+                    s8 = _half_bits_to_f32(win_vs[widx, h])
+                    for c in range(d):
+                        vt[c] = fp8_lut[win_v[widx, 0, h, c]] * s8
+                else:
+                    for c in range(d):
+                        vt[c] = _bf16_bits_to_f32(np.uint16(win_v[widx, 0, h, c]))
             else:  # decode the value row, then one d-long axpy per query head (vectorizes)
                 if gv == 8:
                     for j in range(Gv):

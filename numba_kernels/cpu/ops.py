@@ -16,6 +16,10 @@ from .encode import _encode_small, _tailor_keys, _write_rows
 from .search import _ARGMIN_CHUNK, _search, prepare
 
 _NO_KEPT = np.zeros(0, np.uint8)  # no kept slots (the window rule alone)
+_NO_SCALES = np.zeros((1, 1), np.uint16)  # bf16 exact entries: no per-entry scales
+_NO_LUT = np.zeros(0, np.float32)  # ... and no fp8 code table
+# float8_e4m3fn code -> its value (the fp8 exact store's entries are code x fp16 scale)
+FP8_LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
 ROPE_COMPOSE_TOL = 1e-3  # |table - composed| / m allowed where the decode kernel composes RoPE rows
 
@@ -135,14 +139,16 @@ class DecodePlan:
         self.composed = rope_composes(self.cos, self.sin, self.chunk, max_len)
 
     def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
-                 win_k=None, win_v=None, kept=None) -> torch.Tensor:
+                 win_k=None, win_v=None, kept=None, win_scales=None) -> torch.Tensor:
         """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
         k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [E + 1, 1, H, d]
         bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views); kept: this
         layer's kept (salient) slots, a contiguous uint8 or bool tensor (or numpy array) of
         length >= max slot + 1, non-zero = kept: a kept slot with an entry is read exactly at
         any position, besides the window (given per call: layers may differ; read through a
-        view). None: none kept (the window rule alone); ignored without windows.
+        view). None: none kept (the window rule alone); ignored without windows. win_scales: for
+        an fp8 exact store (``config.exact_format``), (key scales, value scales) [E + 1, H] fp16
+        (or their uint16 numpy views), win_k/win_v then uint8 float8_e4m3fn codes.
         -> [B, Hq, d] f32."""
         B, (Hq, H, d) = self.B, self.shape
         if tuple(q.shape) != (B, Hq, d):
@@ -150,8 +156,17 @@ class DecodePlan:
         out = np.empty((B, Hq, d), np.float32)
         if not B:
             return torch.from_numpy(out)
+        wks = wvs = _NO_SCALES
+        lut = _NO_LUT
         if win_k is None or not self.entry_of.shape[0]:
             wk = wv = _NO_RING[0]
+        elif win_scales is not None:
+            for w in (win_k, win_v):
+                if isinstance(w, torch.Tensor) and w.dtype != torch.uint8:
+                    raise TypeError(f"fp8 window entries must be uint8 float8_e4m3fn codes, got {w.dtype}")
+            wk, wv = _arr(win_k, torch.Tensor.numpy), _arr(win_v, torch.Tensor.numpy)
+            wks, wvs = (_arr(t, _u16) for t in win_scales)
+            lut = FP8_LUT
         else:
             for w in (win_k, win_v):
                 if isinstance(w, torch.Tensor) and w.dtype != torch.bfloat16:
@@ -167,8 +182,8 @@ class DecodePlan:
         _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
                           _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
                           tables.kw, tables.vcb, tables.bits_k, cfg.code_bits_v, tables.code_bytes_k, self.scale_mode,
-                          self.cos, self.sin, self.composed, self.entry_of, kp, wk, wv, cfg.sink_window,
-                          cfg.recent_window, np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l,
+                          self.cos, self.sin, self.composed, self.entry_of, kp, wk, wv, wks, wvs, lut,
+                          cfg.sink_window, cfg.recent_window, np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l,
                           self.part_o, out)
         return torch.from_numpy(out)
 
@@ -196,17 +211,18 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
                      kv_indices: torch.Tensor, tables: DecodeTables, cfg, code_bytes_k: int,
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
                      entry_of: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
-                     win_v: torch.Tensor | None = None, split_tokens: int | None = None) -> torch.Tensor:
+                     win_v: torch.Tensor | None = None, split_tokens: int | None = None,
+                     win_scales=None) -> torch.Tensor:
     """Decode attention of one layer over packed codes, all requests in one call (a one-layer
-    :class:`DecodePlan`; see it for the arguments; win_k/win_v [E + 1, H, d] or [E + 1, 1, H, d]).
-    Returns [B, Hq, d] f32."""
+    :class:`DecodePlan`; see it for the arguments; win_k/win_v [E + 1, H, d] or [E + 1, 1, H, d];
+    win_scales: an fp8 store's (key, value) scales [E + 1, H]). Returns [B, Hq, d] f32."""
     B, Hq, d = q.shape
     plan = DecodePlan(kv_indptr, kv_indices, cfg, code_bytes_k, Hq, tables.kcb.shape[0], d, cos, sin,
                       entry_of.to(torch.int64).contiguous() if entry_of is not None else None, split_tokens)
     if win_k is not None and win_k.dim() == 3:
         win_k, win_v = win_k.unsqueeze(1), win_v.unsqueeze(1)
     return plan(q, k_rows, v_rows, tables, sm_scale, win_k if entry_of is not None else None,
-                win_v if entry_of is not None else None)
+                win_v if entry_of is not None else None, win_scales=win_scales)
 
 
 class PoolEncoder:

@@ -209,7 +209,7 @@ class TaSQAttnBackend(AttentionBackend):
         if not bool((ent[valid] > 0).all()):
             raise RuntimeError("tasq: a window key of the salient echo has no exact entry")
         cos, sin = self._cos_sin(int(S.max()), dev)
-        k = rotate(pool.exact.k[lid][ent].float().view(-1, H, d), cos[pos.flatten()], sin[pos.flatten()]).view(B, -1, H, d)
+        k = rotate(pool.exact.read_k(lid, ent.flatten()), cos[pos.flatten()], sin[pos.flatten()]).view(B, -1, H, d)
         logits = torch.einsum("bhgd,bwhd->bhgw", q3.float().view(B, H, Hq // H, d) * layer.scaling, k)
         p = torch.softmax(logits.masked_fill(~valid[:, None, None], float("-inf")), -1)
         lo, hi = sal.echo_span(sink)
@@ -233,7 +233,7 @@ class TaSQAttnBackend(AttentionBackend):
             if not bool((ent > 0).all()):
                 raise RuntimeError(f"tasq: request row {row}: a window key of the salient echo has no exact entry")
             cos, sin = self._cos_sin(S, q3.device)
-            k = rotate(pool.exact.k[lid][ent].float(), cos[cols], sin[cols])
+            k = rotate(pool.exact.read_k(lid, ent), cos[cols], sin[cols])
             qpos = torch.arange(P, S, device=q3.device)
             echo = sal.query_echo(q3[start:start + Tq], k, qpos, cols, sink, recent, layer.scaling)
             pool.record_echo(layer.layer_id, loc[start:start + Tq], echo)
@@ -279,11 +279,11 @@ class TaSQAttnBackend(AttentionBackend):
             if kept is not None:
                 need = need | kept[:P]
             pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
-        # the chunk's keys as the exact store keeps them (bf16 of the pre-RoPE key): a window key
-        # has one rounding whether this forward wrote it or an earlier one (cold == warm)
-        k_ex[P:] = rotate(chunk[0], cos[P:], sin[P:], inverse=True).to(torch.bfloat16).float()
+        # the chunk's keys (and fp8 values) as the exact store keeps them (one rounding of the
+        # pre-RoPE key): a window token reads the same whether this forward wrote it or an earlier
+        # one (cold == warm)
+        k_ex[P:], v_ex[P:] = pool.as_stored(rotate(chunk[0], cos[P:], sin[P:], inverse=True), chunk[1])
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
-        v_ex[P:] = chunk[1].float()
         if kept is not None and bool(kept.any()):  # a kept token is exact for every query: its "codes" too
             k_dec[kept], v_dec[kept] = k_ex[kept], v_ex[kept]
         return k_dec, k_ex, v_dec, v_ex
@@ -310,8 +310,9 @@ class TaSQAttnBackend(AttentionBackend):
         npv = pool._np
         if pool.exact is not None:
             kept = pool.exact.kept if pool.reads_kept(layer.layer_id) else None
+            scales = (npv["wks"][lid], npv["wvs"][lid]) if npv["wks"] is not None else None
             return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling, npv["wk"][lid], npv["wv"][lid],
-                        kept=kept)
+                        kept=kept, win_scales=scales)
         return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling)
 
     def _cos_sin(self, n: int, device):

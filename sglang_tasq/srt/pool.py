@@ -15,8 +15,9 @@ SmolLM2 (H=3, d=64, g=8, K=1024): 30 + 2 + 30 = 62 bytes per token per layer vs 
 
 Full-precision windows follow the one rule of :mod:`sglang_tasq.windows` (a query at position
 ``i`` reads ``j`` exactly iff ``j < sink`` or ``j >= i + 1 - recent``), whoever wrote the token:
-the exact bf16 copies live in an :class:`windows.ExactStore` keyed by slot (``exact.k[l]``,
-``exact.v[l]`` ``[E + 1, H, d]``, ``exact.entry_of[slot]``), so they are shared through the radix
+the exact copies (bf16, or fp8 with an fp16 scale per token and head: ``config.exact_format``)
+live in an :class:`windows.ExactStore` keyed by slot (``exact.k[l]``, ``exact.v[l]`` ``[E + 1, H,
+d]``, ``exact.entry_of[slot]``), so they are shared through the radix
 cache exactly like the codes. ``E`` is sized for every request row SGLang can run at once
 (``options.rows()`` requests x (sink + 2 recent): a chunk's own window plus the prefix tail its
 queries read) and charged to the memory budget by the plugin (:func:`windows.store_bytes`); entries
@@ -109,7 +110,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                                              device=self.device)
         if self.window:
             with self.memory_saver_adapter.region("kv_cache"):
-                self.exact = windows.ExactStore(rows, E, self.layer_num, H, d, device=self.device)
+                self.exact = windows.ExactStore(rows, E, self.layer_num, H, d, device=self.device,
+                                                fmt=cfg.exact_format)
             # [E + 1, 1, H, d] views: the kernels' (entry, index 0) addressing of the store
             self.win_k = [t.unsqueeze(1) for t in self.exact.k]
             self.win_v = [t.unsqueeze(1) for t in self.exact.v]
@@ -129,9 +131,14 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if str(self.device) == "cpu":
             from numba_kernels.fastpath import u16_view
 
+            # exact entries as the kernels read them: bf16 bits (uint16), or fp8 bits (uint8) and
+            # their fp16 scales' bits [E + 1, H]
+            view = (lambda t: t.numpy()) if cfg.exact_format == "fp8" else u16_view
             self._np = {"k": [t.numpy() for t in self.k_buffer], "v": [t.numpy() for t in self.v_buffer],
-                        "wk": [u16_view(t) for t in self.win_k] if self.win_k else None,
-                        "wv": [u16_view(t) for t in self.win_v] if self.win_v else None}
+                        "wk": [view(t) for t in self.win_k] if self.win_k else None,
+                        "wv": [view(t) for t in self.win_v] if self.win_v else None,
+                        "wks": [u16_view(t) for t in self.exact.k_scale] if self.win_k and self.exact.k_scale else None,
+                        "wvs": [u16_view(t) for t in self.exact.v_scale] if self.win_k and self.exact.v_scale else None}
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
@@ -301,13 +308,20 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             cos, sin = self.rope_table(int(positions.max()) + 1)
             _, _, cos_np, sin_np = self._rope
             wr = wi = None
-            if win_targets is not None:
+            fp8 = self.exact is not None and self.exact.fmt == "fp8"  # fp8 entries are written in torch
+            if win_targets is not None and not fp8:
                 wr, wi, _ = win_targets
             done = self._encoder.encode_into(
                 layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos_np, sin_np, loc,
                 self._np["k"][lid], self._np["v"][lid], self.code_bytes_k_of[lid], wr, wi,
                 self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None)
             if done:
+                if fp8 and win_targets is not None:
+                    keep = win_targets[0] > 0
+                    if bool(keep.any()):
+                        k_pre = apply_rope(cache_k.reshape(T, H, d)[keep], positions[keep], cb.inv_freq,
+                                           cb.attention_scaling, inverse=True)
+                        self.exact.write(lid, win_targets[0][keep], k_pre, cache_v.reshape(T, H, d)[keep])
                 return
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)
@@ -338,8 +352,15 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         ent = win_targets[0]
         keep = ent > 0
         if bool(keep.any()):
-            self.exact.k[lid][ent[keep]] = k_pre[keep].to(torch.bfloat16)
-            self.exact.v[lid][ent[keep]] = v[keep].to(torch.bfloat16)
+            self.exact.write(lid, ent[keep], k_pre[keep], v[keep])
+
+    def as_stored(self, k_pre: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-RoPE keys, values) [T, H, d] f32 as the exact store returns them once written (its
+        one rounding: bf16 keys, values as given; fp8 keys and values), so an extend's own window
+        tokens read the same as a later forward reads them from the store."""
+        if self.exact is None or self.exact.fmt == "bf16":
+            return k_pre.to(torch.bfloat16).float(), v.float()
+        return self.exact.held(k_pre), self.exact.held(v)
 
     # ---- salient tokens ------------------------------------------------------------------
     def reads_kept(self, layer_id: int) -> bool:
@@ -402,8 +423,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         ent = self.exact.entry_of[slots[use]]
         if not bool((ent > 0).all()):
             raise RuntimeError(f"tasq: {int((ent == 0).sum())} window tokens have no full-precision entry")
-        k[use] = self.exact.k[lid][ent].float()
-        v[use] = self.exact.v[lid][ent].float()
+        k[use], v[use] = self.exact.read(lid, ent)
 
     def read_request(self, layer_id: int, slots: torch.Tensor, req_row: int, seq_len: int):
         """One request's cache as a query at position ``seq_len - 1`` reads it: slots [S] (positions

@@ -73,10 +73,15 @@ def _codewords(codes: torch.Tensor, cb: torch.Tensor) -> torch.Tensor:
 class TaSQCudaAdapter:
     """Backend inputs -> Numba kernels. Device-agnostic (CPU tensors run in the simulator)."""
 
-    def __init__(self, pool, req_to_token_pool, ops=None, full_dtype=torch.bfloat16, max_view_tokens=None):
+    def __init__(self, pool, req_to_token_pool, ops=None, full_dtype=None, max_view_tokens=None):
         if ops is None:
             from numba_kernels import ops  # noqa: WPS433 (imports numba)
         self.ops, self.pool, self.req_to_token = ops, pool, req_to_token_pool.req_to_token
+        # the decode view's exact rows: bf16 (the store's own dtype), f32 for an fp8 store (its
+        # codes times scales, unrounded: the CPU path's values)
+        if full_dtype is None:
+            fp8 = pool.exact is not None and pool.exact.fmt == "fp8"
+            full_dtype = torch.float32 if fp8 else torch.bfloat16
         self.full_dtype = full_dtype
         self.max_view_tokens = max_view_tokens or pool.options.cuda_view_tokens
         self.cfg = pool.tasq_config  # key rates per layer: each layer's tables (tb.config, tb.k_groups)
@@ -153,8 +158,11 @@ class TaSQCudaAdapter:
             # "none" entry: one unmasked copy instead of a masked one (which would sync)
             ent = wt[0].to(k.device, torch.int64)
             ex = self.pool.exact
-            ex.k[lid].index_copy_(0, ent, k_pre.to(ex.k[lid].dtype))
-            ex.v[lid].index_copy_(0, ent, v.to(ex.v[lid].dtype))
+            if ex.fmt == "bf16":
+                ex.k[lid].index_copy_(0, ent, k_pre.to(ex.k[lid].dtype))
+                ex.v[lid].index_copy_(0, ent, v.to(ex.v[lid].dtype))
+            else:  # fp8 codes and scales (entry 0 takes the outside tokens' writes, as above)
+                ex.write(lid, ent, k_pre, v)
 
     # ---- extend (strict per-query windows) ---------------------------------------------------
     def _rope(self, md, n: int, device, tb):
@@ -208,9 +216,9 @@ class TaSQCudaAdapter:
         k_pos = torch.arange(S, device=dev)
         causal = k_pos[None, :] <= q_pos[:, None]
         ex = windows.query_window(q_pos, k_pos, sink, recent)  # [Tq, S] (no windows: all False)
-        k_chunk = self._as_stored(k_chunk, cos[P:], sin[P:])
+        k_chunk, v_chunk = self._as_stored(k_chunk, v_chunk, cos[P:], sin[P:])
         if bool((ex | ~causal).all()):  # every key a query sees is in its window: exact attention
-            k_ex, v_ex = k_chunk, v_chunk.float()
+            k_ex, v_ex = k_chunk, v_chunk
             if P:
                 k_pre, v_pre = self._prefix_exact(lid, slots[:P])
                 k_ex = torch.cat([rotate(k_pre, cos[:P], sin[:P]), k_ex])
@@ -223,33 +231,32 @@ class TaSQCudaAdapter:
             need = ex[:, :P].any(0) if kept is None else ex[:, :P].any(0) | kept[:P]
             ent = self.pool.exact.entry_of[slots[:P]]
             use = (need & (ent > 0))[:, None, None]
-            kx, vx = self.pool.exact.k[lid][ent].float(), self.pool.exact.v[lid][ent].float()
+            kx, vx = self.pool.exact.read(lid, ent)
             k_ex = torch.cat([torch.where(use, kx, k_dec[:P]), k_dec[P:]])
             v_ex = torch.cat([torch.where(use, vx, v_dec[:P]), v_dec[P:]])
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
         k_ex[P:] = k_chunk
         v_ex = v_ex.clone() if v_ex is v_dec else v_ex
-        v_ex[P:] = v_chunk.float()
+        v_ex[P:] = v_chunk
         if kept is not None:  # a kept token is exact for every query: its "codes" too
             m = kept[:, None, None]
             k_dec, v_dec = torch.where(m, k_ex, k_dec), torch.where(m, v_ex, v_dec)
         return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
 
-    def _as_stored(self, k_chunk, cos, sin):
-        """The chunk's post-RoPE keys [Tq, H, d] f32 as the exact store keeps them (its dtype, of the
-        pre-RoPE key), so a window key reads the same whether this forward or an earlier one wrote
-        it (as the CPU path); unchanged without windows."""
+    def _as_stored(self, k_chunk, v_chunk, cos, sin):
+        """The chunk's post-RoPE keys and values [Tq, H, d] f32 as the exact store keeps them
+        (``pool.as_stored`` of the pre-RoPE key), so a window token reads the same whether this
+        forward or an earlier one wrote it (as the CPU path); unchanged without windows."""
         if not self.windows:
-            return k_chunk.float()
-        pre = rotate(k_chunk, cos, sin, inverse=True).to(self.pool.exact.k[0].dtype)
-        return rotate(pre.float(), cos, sin)
+            return k_chunk.float(), v_chunk.float()
+        pre, v = self.pool.as_stored(rotate(k_chunk, cos, sin, inverse=True), v_chunk)
+        return rotate(pre, cos, sin), v
 
     def _prefix_exact(self, lid: int, slots: torch.Tensor):
         """Exact pre-RoPE k, v [P, H, d] f32 of prefix slots that all lie in every query's window
         (``begin_forward`` checked that their entries are present)."""
         ex = self.pool.exact
-        ent = ex.entry_of[slots]
-        return ex.k[lid][ent].float(), ex.v[lid][ent].float()
+        return ex.read(lid, ex.entry_of[slots])
 
     # ---- per-forward plan (decode) -----------------------------------------------------------
     def _plan(self, fb, md, dev) -> list:
@@ -306,8 +313,9 @@ class TaSQCudaAdapter:
                 raise RuntimeError("tasq: a kept (salient) slot has no exact entry")
             g.kept = SimpleNamespace(flags=flags.contiguous(), rows=rows, ent=ent)
         k_full, v_full = view[3], view[4]
-        k_full[g.kept.rows] = ex.k[lid][g.kept.ent].to(k_full.dtype)
-        v_full[g.kept.rows] = ex.v[lid][g.kept.ent].to(v_full.dtype)
+        kx, vx = ex.read(lid, g.kept.ent)
+        k_full[g.kept.rows] = kx.to(k_full.dtype)
+        v_full[g.kept.rows] = vx.to(v_full.dtype)
         return g.kept.flags
 
     # ---- per-layer compact view (decode) -----------------------------------------------------
@@ -332,6 +340,7 @@ class TaSQCudaAdapter:
         k_full = torch.empty(rows, H, d, dtype=self.full_dtype, device=krows.device)
         v_full = torch.empty(rows, H, d, dtype=self.full_dtype, device=krows.device)
         ex = pool.exact
-        k_full[w.crow] = torch.where(w.valid, ex.k[lid][w.ent].float(), k_dec).to(self.full_dtype)
-        v_full[w.crow] = torch.where(w.valid, ex.v[lid][w.ent].float(), v_dec).to(self.full_dtype)
+        kx, vx = ex.read(lid, w.ent)
+        k_full[w.crow] = torch.where(w.valid, kx, k_dec).to(self.full_dtype)
+        v_full[w.crow] = torch.where(w.valid, vx, v_dec).to(self.full_dtype)
         return k_codes, v_codes, k_scale, k_full, v_full

@@ -405,3 +405,44 @@ def test_decode_plan_kept_is_per_call_and_checked():
     with pytest.raises(ValueError, match="kept"):
         plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, kept[:int(slots.max())])
     assert torch.equal(plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, kept[:int(slots.max()) + 1]), got)
+
+
+@pytest.mark.parametrize("split_tokens", [None, 5])
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
+    ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40]),
+    ("per_head", (0, 5), 2, 4, 32, [20, 9, 12]),
+    ("shared", (4, 8), 1, 2, 16, [700, 60]),
+])
+def test_decode_attention_reads_fp8_entries(scale, windows, H, Hq, d, seq_lens, split_tokens):
+    """An fp8 exact store (``exact_format="fp8"``: uint8 float8_e4m3fn codes, one fp16 scale per
+    (entry, head)) is read as code x scale, window and kept slots alike: the kernel equals the
+    reference fed the decoded entries (:func:`salient.fp8_decode`), and differs from reading the
+    bf16 entries the codes were made from; bf16 entries with scales given are refused."""
+    from sglang_tasq.salient import fp8_decode, fp8_encode
+
+    sink, recent = windows
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
+                     sink_window=sink, recent_window=recent)
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 21, True)
+    kept, win, _ = _kept_case(win, slots, seq_lens, cfg, 5)
+    entry_of, wk, wv = win
+    (k8, ks), (v8, vs) = fp8_encode(wk.float() * 3.0), fp8_encode(wv.float() * 0.02)  # two magnitudes
+    dec = (entry_of, fp8_decode(k8, ks), fp8_decode(v8, vs))
+    sm_scale = d ** -0.5
+    cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    tab = cpu.DecodeTables(cb, 0)
+    plan = cpu.DecodePlan(indptr, slots, cfg, kb, Hq, H, d, cos, sin, entry_of, split_tokens)
+    for kp in (None, kept):
+        ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, dec, H, d, sm_scale, kp)
+        got = plan(q, k_rows, v_rows, tab, sm_scale, k8.unsqueeze(1), v8.unsqueeze(1), kept=kp, win_scales=(ks, vs))
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+        views = (k8.unsqueeze(1).numpy(), v8.unsqueeze(1).numpy(), ks.view(torch.int16).numpy().view(np.uint16),
+                 vs.view(torch.int16).numpy().view(np.uint16))  # the pool's long-lived numpy views
+        assert torch.equal(plan(q, k_rows, v_rows, tab, sm_scale, views[0], views[1], kept=kp,
+                                win_scales=views[2:]), got)
+        bf = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q,
+                        (entry_of, (wk.float() * 3).bfloat16(), (wv.float() * 0.02).bfloat16()), H, d, sm_scale, kp)
+        assert float((bf - ref).abs().max()) > 1e-6  # fp8 entries are not the bf16 ones
+    with pytest.raises(TypeError, match="uint8"):
+        plan(q, k_rows, v_rows, tab, sm_scale, wk.unsqueeze(1), wv.unsqueeze(1), win_scales=(ks, vs))

@@ -14,14 +14,17 @@ from sglang_tasq.testing import random_codebooks
 MIXED = dict(mix_layers=(1,), mix_group_size_k=4, mix_codebook_size_k=16)
 
 
-def _tasq_pools(window_rows: int, kernels: tuple = (True, True), req_rows: int | None = None, mixed: bool = False):
+def _tasq_pools(window_rows: int, kernels: tuple = (True, True), req_rows: int | None = None, mixed: bool = False,
+                exact_format: str = "bf16"):
     """One real TaSQTokenToKVPool per ``kernels`` flag (its ``ServeOptions.cpu_kernels``: Numba
     kernels, or the plain-torch path; 96 slots, 2 layers, 2 KV heads of 16, sink 2, recent 3)
     sized for ``window_rows`` running requests, and (with ``req_rows``) one ReqToTokenPool
-    with that many rows, not yet attached to any pool. ``mixed``: layer 1 at a second key rate."""
+    with that many rows, not yet attached to any pool. ``mixed``: layer 1 at a second key rate;
+    ``exact_format``: how the exact store holds its copies."""
     from _pools import make_pool, make_request_rows
 
-    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3, **(MIXED if mixed else {}))
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3,
+                     exact_format=exact_format, **(MIXED if mixed else {}))
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
     cb.k_codebook = (tuple(c.half().float() for c in cb.k_codebook) if mixed else cb.k_codebook.half().float())
     cb.v_codebook = cb.v_codebook.half().float()
@@ -31,13 +34,14 @@ def _tasq_pools(window_rows: int, kernels: tuple = (True, True), req_rows: int |
     return pools, (make_request_rows(req_rows) if req_rows is not None else None)
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["one_key_rate", "per_layer_key_rate"])
-def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(mixed):
+@pytest.mark.parametrize("mixed,fmt", [(False, "bf16"), (True, "bf16"), (False, "fp8")],
+                         ids=["one_key_rate", "per_layer_key_rate", "fp8_store"])
+def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(mixed, fmt):
     """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
     requests, a radix-shared prefix (its sink and tail read from the entries its first writer
     made), entries gone stale outside the window or evicted (LRU, the store is sized to its
     limit) read from codes, in-window tokens from their entries; with a per-layer key rate
-    each layer's rows at its own width."""
+    each layer's rows at its own width; with an fp8 store its codes and scales."""
     import types
 
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -45,7 +49,8 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(mixed):
 
     from sglang_tasq.srt.backend import TaSQAttnBackend
 
-    (pool,), r2t_pool = _tasq_pools(window_rows=3, kernels=(True,), req_rows=3, mixed=mixed)
+    (pool,), r2t_pool = _tasq_pools(window_rows=3, kernels=(True,), req_rows=3, mixed=mixed, exact_format=fmt)
+    assert pool.exact.fmt == fmt and pool.exact.k[0].dtype == (torch.uint8 if fmt == "fp8" else torch.bfloat16)
     if mixed:
         assert [b.shape[1] for b in pool.k_buffer] == [3 + 2, 4 + 2]  # key codes + the fp16 scale
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t_pool, token_to_kv_pool=pool)
@@ -187,6 +192,56 @@ def test_pool_encoder_writes_what_the_reference_path_writes(mixed):
         assert int(pool.exact.owner[e0]) == -1 and pool.exact.used() == 10
     assert torch.equal(pool_n.exact.k[1][e39], pool_t.exact.k[1][e39])
     assert torch.equal(pool_n.exact.v[1][e39], v.view(T, 2, 16)[6])
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["numba", "torch"])
+def test_fp8_store_holds_the_encoded_copies(kernels):
+    """An fp8 exact store (``exact_format="fp8"``) holds, for each in-window token, the fp8 codes
+    and fp16 scales of :func:`salient.fp8_encode` of its pre-RoPE key and its value, written the
+    same by the fused encoder's pool and the plain-torch one; ``read_exact`` and ``as_stored``
+    return the decoded copy (one rounding for every reader); the store's bytes are those
+    ``windows.entry_bytes`` charges for fp8 and ~half of bf16's."""
+    import types
+
+    from sglang_tasq import windows
+    from sglang_tasq.rope import apply_rope
+    from sglang_tasq.salient import fp8_decode, fp8_encode
+
+    (pool, ref), _ = _tasq_pools(window_rows=2, kernels=(kernels, False), exact_format="fp8")
+    (bf,), _ = _tasq_pools(window_rows=2, kernels=(False,))
+    assert (pool._encoder is not None) == kernels
+    gen = torch.Generator().manual_seed(12)
+    T = 40
+    positions = torch.cat([torch.arange(30), torch.arange(500, 510)])
+    req_rows = torch.cat([torch.zeros(30), torch.ones(10)]).long()
+    seq_lens = torch.cat([torch.full((30,), 30), torch.full((10,), 510)])
+    loc = torch.randperm(95, generator=gen)[:T] + 1
+    k = (torch.randn(T, 32, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(T, 32, generator=gen).to(torch.bfloat16)
+    for p in (pool, ref):
+        p.set_kv_buffer(types.SimpleNamespace(layer_id=1), loc, k, v, positions=positions, req_rows=req_rows,
+                        seq_lens=seq_lens)
+    inw = pool.in_window(positions, seq_lens)
+    ent = pool.exact.entry_of[loc[inw]]
+    assert int(inw.sum()) == 8 and bool((ent > 0).all()) and torch.equal(pool.exact.entry_of, ref.exact.entry_of)
+    cb = pool.codebooks
+    k_pre = apply_rope(k.view(T, 2, 16)[inw], positions[inw], cb.inv_freq, cb.attention_scaling, inverse=True)
+    (kc, ks), (vc, vs) = fp8_encode(k_pre), fp8_encode(v.view(T, 2, 16)[inw])
+    ex = pool.exact
+    assert torch.equal(ex.k[1][ent], kc) and torch.equal(ex.k_scale[1][ent], ks)
+    assert torch.equal(ex.v[1][ent], vc) and torch.equal(ex.v_scale[1][ent], vs)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        assert torch.equal(getattr(ex, name)[1], getattr(ref.exact, name)[1])
+    kr, vr = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    pool.read_exact(1, loc[inw], kr, vr, torch.ones(8, dtype=torch.bool))
+    assert torch.equal(kr, fp8_decode(kc, ks)) and torch.equal(vr, fp8_decode(vc, vs))
+    ks2, vs2 = pool.as_stored(k_pre, v.view(T, 2, 16)[inw])
+    assert torch.equal(ks2, kr) and torch.equal(vs2, vr)
+    assert float((kr - k_pre).abs().max()) > 0  # fp8, not a copy
+    per = windows.entry_bytes(2, 16, 2, "fp8")
+    assert per == 2 * 2 * (16 + 2) * 2 + 24 and per - 24 < (windows.entry_bytes(2, 16, 2) - 24) * 0.6
+    store = ex.nbytes() - bf.exact.nbytes()
+    assert store == (ex.capacity + 1) * (per - windows.entry_bytes(2, 16, 2))
 
 
 def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():

@@ -53,23 +53,11 @@ class ProbeCache(QuantizedKVCache):
         self.n_exact: dict = {}
 
     def _held(self, name: str, x: torch.Tensor, T0: int) -> torch.Tensor:
+        from sglang_tasq.hf.cache import held_copies
+
         if self.side == "bf16":
             return x
-        if name == "v":
-            return sal.fp8_rows(x)
-        keys = self.method.keys
-        if not getattr(keys, "pre_rope", False):
-            return sal.fp8_rows(x)
-        from sglang_tasq.hf.cache import unrotate_keys
-        from sglang_tasq.rope import apply_rope
-
-        pos = torch.arange(T0, T0 + x.shape[2])
-        out = torch.empty_like(x)
-        for b in range(x.shape[0]):
-            pre = unrotate_keys(x[b].transpose(0, 1), pos, keys.inv_freq, keys.attention_scaling)
-            held = apply_rope(sal.fp8_rows(pre), pos, keys.inv_freq, keys.attention_scaling)
-            out[b] = held.transpose(0, 1).to(x.dtype)
-        return out
+        return held_copies(x, T0, self.side, self.method.keys if name == "k" else None)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         kq, vq = super().update(key_states, value_states, layer_idx)

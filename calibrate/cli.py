@@ -3,6 +3,7 @@
     python -m calibrate --model smollm2-135m --out artifacts/smollm2 [--preset fast] [--tp N]
     python -m calibrate check artifacts/smollm2/tasq.json [--model smollm2-135m]
     python -m calibrate serving artifacts/smollm2 --out artifacts/smollm2_salient --salient 36/192@17
+    python -m calibrate serving artifacts/smollm2 --out artifacts/smollm2_salient8 --salient 36/192@17 --exact fp8
 """
 from __future__ import annotations
 
@@ -127,7 +128,9 @@ def summary_lines(manifest: dict) -> list[str]:
         f"{32 / (manifest['bits_k'] + manifest['bits_v']):.1f}x smaller before windows)",
         f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision"
         + (f"; salient tokens: {c['salient_budget']} of every {c['salient_block']} kept exact, decided at layer "
-           f"{c['salient_layer']} (echo rule, pooled {c['salient_after']} ahead)" if c.get("salient_budget") else ""),
+           f"{c['salient_layer']} (echo rule, pooled {c['salient_after']} ahead)" if c.get("salient_budget") else "")
+        + ("; exact copies held as fp8 (e4m3, fp16 scale per token and KV head)"
+           if c.get("exact_format", "bf16") == "fp8" else ""),
         f"calibration  {cal['corpus']}: {cal['tokens']:,} tokens ({cal.get('fisher_tokens', 0):,} with Fisher), "
         f"seed {cal['seed']}, {cal.get('model_dtype', 'bfloat16')} model, {cal['wall_time_s']:.0f} s",
     ]
@@ -241,12 +244,16 @@ def cmd_serving(argv) -> int:
                     help="keep KEPT of every BLOCK tokens exact, chosen by the streaming echo rule and read exactly "
                          "from layer LAYER on (issue 14; e.g. 36/192@17), or none")
     ap.add_argument("--salient-after", type=int, help="pool the echo this many positions forward (default 12)")
+    ap.add_argument("--exact", choices=("bf16", "fp8"),
+                    help="how the server holds its exact copies (windows, salient tokens): bf16, or fp8 e4m3 with "
+                         "an fp16 scale per token and KV head (8.25 bits per element at head_dim 64)")
     a = ap.parse_args(argv)
     from sglang_tasq.artifact import ArtifactError, load_artifact, save_artifact
 
     try:
         art = load_artifact(a.artifact)
-        change = {"sink_window": a.sink, "recent_window": a.recent, "salient_after": a.salient_after}
+        change = {"sink_window": a.sink, "recent_window": a.recent, "salient_after": a.salient_after,
+                  "exact_format": a.exact}
         if a.salient is not None:
             kept, block, layer = a.salient
             change.update(salient_budget=kept, salient_block=block, salient_layer=layer)

@@ -158,6 +158,25 @@ def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq, scaling: f
     return rotate(k.float(), cos, sin, inverse=True)
 
 
+def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQuantizer | None = None) -> torch.Tensor:
+    """New tokens x [B, H, n, d] at positions T0.. as an exact side buffer of ``exact_format`` holds
+    them, in x's dtype: None keeps x; "bf16" rounds it to bf16; "fp8" holds each (token, head) row
+    as fp8 e4m3 with an fp16 scale (:func:`salient.fp8_rows`). Keys (``keys`` given: the method's
+    key quantizer) are held pre-RoPE, as the serving pool stores them, when the method codes them so."""
+    if exact_format is None:
+        return x
+    sal.copy_bits(exact_format, x.shape[-1])  # a bad format fails here
+    hold = (lambda t: t.to(torch.bfloat16).float()) if exact_format == "bf16" else sal.fp8_rows
+    if keys is None or not getattr(keys, "pre_rope", False):
+        return hold(x.float()).to(x.dtype)
+    pos = torch.arange(T0, T0 + x.shape[2], device=x.device)
+    out = torch.empty_like(x)
+    for b in range(x.shape[0]):
+        pre = unrotate_keys(x[b].transpose(0, 1), pos, keys.inv_freq, keys.attention_scaling)
+        out[b] = apply_rope(hold(pre), pos, keys.inv_freq, keys.attention_scaling).transpose(0, 1).to(x.dtype)
+    return out
+
+
 class _Payload:
     """A growing dict of tensors (amortized doubling along dim 0)."""
 
@@ -229,10 +248,15 @@ class QuantizedKVLayer(DynamicLayer):
         self._grow("k", key_states)
         self._grow("v", value_states)
         self.length = T1 = T0 + n
+        for name, side in self.sides.items():  # encode at insertion (from the model's values) ...
+            self._encode(name, side, T1)
+        fmt = self.cache.exact_format
+        if fmt is not None:  # ... then hold the exact copies as the server's store does
+            self.bufs["k"][:, :, T0:T1] = held_copies(key_states, T0, fmt, self.sides["k"].q)
+            self.bufs["v"][:, :, T0:T1] = held_copies(value_states, T0, fmt)
         if self.cache.salient_state is not None:  # echo of the new tokens; decisions at the deciding layer
             self.cache.salient_state.step(self, T0, T1)
-        for name, side in self.sides.items():  # encode at insertion, decode on leaving windows
-            self._encode(name, side, T1)
+        for name, side in self.sides.items():  # ... decode on leaving windows
             self._read_back(name, side, T1, T0 if self.cache.fresh_exact else T1)
         self.keys, self.values = self.bufs["k"], self.bufs["v"]
         return self.keys, self.values
@@ -285,6 +309,8 @@ class QuantizedKVLayer(DynamicLayer):
             return out
         B, H, T, d = self.bufs["k"].shape
         per_row = H * d * self.bufs["k"].element_size()
+        if self.cache.exact_format is not None:  # the exact copies as held: bf16, or fp8 + fp16 scale per head
+            per_row = int(H * d * sal.copy_bits(self.cache.exact_format, d)) // 8
         sink, st = self.cache.sink, self.cache.salient_state
         for side in self.sides.values():
             for store in side.rows:
@@ -322,11 +348,19 @@ class QuantizedKVCache(Cache):
     """
 
     def __init__(self, method: KVMethod, sink: int = 64, recent: int = 256, fresh_exact: bool = True,
-                 salient: "sal.SalientSpec | None" = None, model: torch.nn.Module | None = None):
+                 salient: "sal.SalientSpec | None" = None, model: torch.nn.Module | None = None,
+                 exact_format: str | None = None):
         if sink < 0 or recent < 0:
             raise ValueError(f"windows must be >= 0, got sink={sink} recent={recent}")
+        if exact_format is not None:
+            sal.copy_bits(exact_format, 64)  # a bad format fails here
+            blocked = [method.keys.block, method.values.block]
+            if max(blocked) > 1:
+                raise ValueError(f"exact_format={exact_format!r} with {method.name}: a method that codes tokens in "
+                                 f"blocks ({max(blocked)}) would code some from their held copies")
         super().__init__(layers=[])
         self.method, self.sink, self.recent, self.fresh_exact = method, sink, recent, fresh_exact
+        self.exact_format = exact_format
         self.salient_state = None
         if salient is not None:
             if model is None:
@@ -378,11 +412,13 @@ class TaSQCache(QuantizedKVCache):
 
     An artifact that keeps salient tokens (``config.salient_budget``) keeps them here too, by the
     same rule as the server: pass ``model=`` (the cache reads its queries), or ``salient=False``
-    for the windows alone (an ablation, chosen by name: never a silent fallback)."""
+    for the windows alone (an ablation, chosen by name: never a silent fallback). An artifact whose
+    server holds its exact copies as fp8 (``config.exact_format``) has them held so here too
+    (``exact_format=`` overrides: None keeps the model's dtype)."""
 
     def __init__(self, codebooks: Codebooks, sink: int = 64, recent: int = 256, keys: bool = True,
                  values: bool = True, fresh_exact: bool = True, model: torch.nn.Module | None = None,
-                 salient: bool | None = None):
+                 salient: bool | None = None, exact_format: str | None = "artifact"):
         spec = codebooks.config.salient_spec()
         if salient and spec is None:
             raise ValueError("tasq: salient=True but this artifact keeps no salient tokens (salient_budget 0)")
@@ -394,5 +430,8 @@ class TaSQCache(QuantizedKVCache):
                              f"TaSQCache(codebooks, model=model) reads them, or salient=False keeps the windows only")
         method = KVMethod(TaSQKeys(codebooks) if keys else Identity(),
                           TaSQValues(codebooks) if values else Identity(), "tasq")
-        super().__init__(method, sink, recent, fresh_exact, salient=spec if use else None, model=model)
+        if exact_format == "artifact":  # bf16 copies stay in the model's dtype (the cache's default)
+            exact_format = "fp8" if codebooks.config.exact_format == "fp8" else None
+        super().__init__(method, sink, recent, fresh_exact, salient=spec if use else None, model=model,
+                         exact_format=exact_format)
         self.codebooks = codebooks

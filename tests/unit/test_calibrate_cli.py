@@ -70,3 +70,16 @@ def test_serving_rewrites_the_serving_settings_only(tmp_path, capsys):
         assert cli.main(["serving", str(src), "--out", str(tmp_path / "bad"), *bad]) == 2
         assert needle in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+    # fp8 exact copies: recorded and shown; refused without windows (nothing to hold)
+    assert cli.main(["serving", str(tmp_path / "sal"), "--out", str(tmp_path / "x8"), "--exact", "fp8"]) == 0
+    x8 = load_artifact(tmp_path / "x8").config
+    assert x8.exact_format == "fp8" and x8.salient_budget == 36 and load_artifact(src).config.exact_format == "bf16"
+    assert "exact copies held as fp8" in capsys.readouterr().out
+    assert cli.main(["serving", str(src), "--out", str(tmp_path / "bad"), "--exact", "fp8", "--sink", "0",
+                     "--recent", "0"]) == 2
+    assert "exact_format='fp8' without windows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serving", str(src), "--out", str(tmp_path / "bad"), "--exact", "fp4"])
+    with pytest.raises(ConfigError, match="exact_format='int8': allowed"):
+        TaSQConfig(exact_format="int8")
+    assert not (tmp_path / "bad").exists()

@@ -338,6 +338,12 @@ def test_salient_entries_and_cell_bytes():
     assert salient_entries(sal, 1000, 256) == 188 and salient_entries(sal, 1000, 1024) == 188 + 768
     assert store_bytes(sal, 3, 64, 30, 4, 256) == store_bytes(plain, 3, 64, 30, 4)
     assert store_bytes(sal, 3, 64, 30, 4, 1280) == store_bytes(plain, 3, 64, 30, 4) + 1024 * entry_bytes(3, 64, 30)
+    # fp8 copies (exact_format): an entry holds 1-byte codes and an fp16 scale per (layer, side, head)
+    sal8 = TaSQConfig(salient_budget=36, salient_block=192, salient_layer=17, exact_format="fp8")
+    assert entry_bytes(3, 64, 30, "fp8") == 2 * 3 * 66 * 30 + 24 and entry_bytes(3, 64, 30) == 2 * 3 * 128 * 30 + 24
+    extra8 = -(-36 * entry_bytes(3, 64, 30, "fp8") // 192) + 2 * 54 + 1
+    assert cell_bytes(sal8, 3, 64, 30) == cell_bytes(plain, 3, 64, 30) + extra8 < cell_bytes(sal, 3, 64, 30)
+    assert store_bytes(sal8, 3, 64, 30, 4) == (4 * (64 + 512) + 1) * entry_bytes(3, 64, 30, "fp8") - 8
 
 
 def test_a_kept_position_without_its_entry_cuts_the_prefix():

@@ -276,9 +276,33 @@ def build(spec: MethodSpec, artifact: Optional[Path] = None, fingerprint=None, r
     return KVMethod(TaSQKeys(cb) if spec.keys else Identity(), TaSQValues(cb) if spec.values else Identity(), spec.name)
 
 
+#: config fields ``calibrate serving`` changes without touching the tensors: how a server serves them
+SERVING_FIELDS = ("sink_window", "recent_window", "salient_budget", "salient_block", "salient_layer",
+                  "salient_after", "exact_format")
+
+
 def artifact_sha(art: Path) -> str:
-    """The sha256 of an artifact's tensors, as its ``tasq.json`` records it (what run folders pin)."""
-    return json.loads((Path(art) / "tasq.json").read_text())["tensors"]["sha256"]
+    """What run folders pin an artifact by: the sha256 of its tensors, as its ``tasq.json`` records
+    it, and, where its serving settings (:data:`SERVING_FIELDS`, written by ``calibrate serving``)
+    differ from the defaults, ``+serving:`` and a digest of them (two artifacts sharing tensors but
+    served differently, e.g. bf16 and fp8 exact copies, must not share a run's items)."""
+    import hashlib
+
+    from sglang_tasq.config import TaSQConfig
+
+    manifest = json.loads((Path(art) / "tasq.json").read_text())
+    default, cfg = TaSQConfig(), manifest.get("config", {})
+    diff = {k: cfg[k] for k in SERVING_FIELDS if k in cfg and cfg[k] != getattr(default, k)}
+    sha = manifest["tensors"]["sha256"]
+    if diff:
+        sha += "+serving:" + hashlib.sha256(json.dumps(diff, sort_keys=True).encode()).hexdigest()[:16]
+    return sha
+
+
+def short_id(sha: str) -> str:
+    """An :func:`artifact_sha` for messages: the tensors' first 12 hex digits, and its serving digest."""
+    tensors, _, serving = sha.partition("+")
+    return tensors[:12] + (f"+{serving}" if serving else "")
 
 
 def prepare(spec, model: str, preset: str, root: Path, overrides: Optional[dict] = None, fingerprint=None,

@@ -160,10 +160,11 @@ def check_artifacts(run_dir: Path, ids: dict) -> None:
     ``artifacts.json``): a recalibrated artifact would otherwise mix old and new items."""
     path = run_dir / "artifacts.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
-    stale = {k: (old[k][:12], v[:12]) for k, v in ids.items() if k in old and old[k] != v}
+    stale = {k: (M.short_id(old[k]), M.short_id(v)) for k, v in ids.items() if k in old and old[k] != v}
     if stale:
-        raise ValueError(f"results in {run_dir} were computed with other artifacts (name: (then, now) tensors sha256) "
-                         f"{stale}; pass --results DIR for a new run, or delete the folder")
+        raise ValueError(f"results in {run_dir} were computed with other artifacts (name: (then, now) artifact id: "
+                         f"tensors sha256 [+ serving settings]) {stale}; pass --results DIR for a new run, or "
+                         "delete the folder")
     report.write_json(path, {**old, **ids})
 
 
@@ -171,10 +172,10 @@ def run(cfg: QualityConfig, results: Path = RESULTS, log=print, model=None, tok=
     """Run (or resume) the suite; returns the metrics dict also written to metrics.json."""
     run_dir = Path(results) / cfg.name()
     run_dir.mkdir(parents=True, exist_ok=True)
-    report.write_json(run_dir / "config.json", dataclasses.asdict(cfg))
     t0 = time.time()
     ctx = build_context(cfg, run_dir, log, model, tok)
-    check_artifacts(run_dir, ctx.artifact_ids)
+    check_artifacts(run_dir, ctx.artifact_ids)  # before anything is written: a refused run changes nothing
+    report.write_json(run_dir / "config.json", dataclasses.asdict(cfg))
     ppl = perplexity.run(ctx) if "perplexity" in cfg.benches else {}
     nia = ruler.run(ctx) if "ruler" in cfg.benches else {}
     pos = positions.run(ctx) if "positions" in cfg.benches else {}

@@ -245,14 +245,16 @@ def run_name(model: str, preset: str, n: int, tasks, max_new, dtype: str = "bflo
 
 
 def check_artifacts(run_dir: Path, ids: dict) -> None:
-    """A run folder holds items of one artifact per name (``artifacts.json``: name -> sha256 of its
-    tensors); a recalibrated artifact is refused instead of mixing items of two fits."""
+    """A run folder holds items of one artifact per name (``artifacts.json``: name -> its
+    :func:`bench.methods.artifact_sha`); a recalibrated (or otherwise served) artifact is refused
+    instead of mixing items of two fits."""
     path = run_dir / "artifacts.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
-    stale = {k: (old[k][:12], v[:12]) for k, v in ids.items() if k in old and old[k] != v}
+    stale = {k: (M.short_id(old[k]), M.short_id(v)) for k, v in ids.items() if k in old and old[k] != v}
     if stale:
-        raise ValueError(f"results in {run_dir} were computed with other artifacts (name: (then, now) sha256) {stale}; "
-                         "pass --results DIR for a new run, or delete the folder")
+        raise ValueError(f"results in {run_dir} were computed with other artifacts (name: (then, now) artifact id: "
+                         f"tensors sha256 [+ serving settings]) {stale}; pass --results DIR for a new run, or "
+                         "delete the folder")
     write_json(path, {**old, **ids})
 
 

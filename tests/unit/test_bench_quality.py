@@ -264,3 +264,36 @@ def test_results_resume_only_with_the_same_artifacts(tmp_path):
     Q.check_artifacts(tmp_path, {"tasq": "a" * 64, "cq": "b" * 64})  # a new artifact name is added
     with pytest.raises(ValueError, match="computed with other artifacts"):
         Q.check_artifacts(tmp_path, {"tasq": "c" * 64})
+
+
+def test_an_artifact_served_otherwise_is_another_artifact(tmp_path):
+    """Two artifacts with the same tensors but other serving settings (``calibrate serving``:
+    salient tokens, fp8 exact copies) have other ids, so a run folder refuses to mix their items;
+    the default settings keep the bare tensors sha256 (earlier run folders stay valid)."""
+    import dataclasses
+
+    from bench import methods as M
+    from bench import quality as Q
+    from sglang_tasq.artifact import ModelFingerprint, save_artifact
+    from sglang_tasq.config import TaSQConfig
+    from sglang_tasq.testing import random_codebooks
+
+    cb = random_codebooks(2, 2, 16, config=TaSQConfig(codebook_size_k=16, codebook_size_v=16), seed=1)
+    fp = ModelFingerprint(architecture="LlamaForCausalLM", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                          rope_theta=10000.0, rope_scaling=None)
+    cal = {"corpus": "random", "tokens": 0, "seed": 1, "wall_time_s": 0.0}
+    ids = {}
+    for name, change in (("plain", {}), ("salient", dict(salient_budget=3, salient_block=16, salient_layer=1,
+                                                          salient_after=4, recent_window=64)),
+                         ("salient8", dict(salient_budget=3, salient_block=16, salient_layer=1, salient_after=4,
+                                           recent_window=64, exact_format="fp8"))):
+        art = save_artifact(tmp_path / name, dataclasses.replace(cb, config=dataclasses.replace(cb.config, **change)),
+                            fp, calibration=cal).parent
+        ids[name] = M.artifact_sha(art)
+    tensors = ids["plain"]
+    assert len(tensors) == 64 and "+" not in tensors
+    assert ids["salient"].startswith(tensors + "+serving:") and ids["salient8"].startswith(tensors + "+serving:")
+    assert ids["salient"] != ids["salient8"]
+    Q.check_artifacts(tmp_path / "run", {"tasq": ids["salient"]})
+    with pytest.raises(ValueError, match=r"\+serving:"):
+        Q.check_artifacts(tmp_path / "run", {"tasq": ids["salient8"]})

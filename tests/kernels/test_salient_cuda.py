@@ -24,7 +24,7 @@ from sglang_tasq.options import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _sim_main() -> dict:
+def _sim_main(exact_format: str = "bf16") -> dict:
     import types
 
     import torch
@@ -34,10 +34,10 @@ def _sim_main() -> dict:
     from sglang_tasq.srt.backend import TaSQAttnBackend
     from sglang_tasq.srt.serve_cuda import TaSQCudaAdapter
 
-    pool, r2t, be, _, cb = sp._setup()
+    pool, r2t, be, _, cb = sp._setup(exact_format=exact_format)
     for t in (cb.k_codebook, cb.v_codebook):  # fp16-exact, as the device tables hold them
         t.copy_(t.half().float())
-    be._cuda = TaSQCudaAdapter(pool, r2t, full_dtype=torch.float32)
+    be._cuda = TaSQCudaAdapter(pool, r2t, full_dtype=torch.float32 if exact_format == "bf16" else None)
     be._forward = be._forward_adapter  # every layer through the backend's CUDA branch
     cpu = TaSQAttnBackend(types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool))
     cpu._decode_kernel = False  # the torch reader: the plainest CPU path
@@ -49,15 +49,18 @@ def _sim_main() -> dict:
     for _ in range(2):
         run.forward(1, data, decode=True, other=cpu)
     S, kept = run.S, run.kept()
-    return {"kept": kept, "want": sp._reference_kept(cb, data, S), "S": S,
+    return {"kept": kept, "want": sp._reference_kept(cb, data, S, exact_format), "S": S,
+            "fmt": pool.exact.fmt, "view_dtype": str(be._cuda.full_dtype),
             "kept_outside": sum(1 for p in kept if sp.SINK <= p < S - sp.RECENT),
             "decided": sal.decided_blocks(S, pool.salient), "outputs": len(run.out)}
 
 
-@pytest.mark.slow  # ~2 min: the simulator runs the encode kernel a thread at a time
-def test_cuda_path_serves_salient_tokens_in_simulator():
+@pytest.mark.slow  # ~2 min each: the simulator runs the encode kernel a thread at a time
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_cuda_path_serves_salient_tokens_in_simulator(fmt):
+    """(fp8: an fp8 exact store, its copies written by the adapter and read into f32 view rows.)"""
     env = child_env(NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), fmt], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert p.returncode == 0 and lines, p.stderr[-4000:]
@@ -66,8 +69,9 @@ def test_cuda_path_serves_salient_tokens_in_simulator():
     assert res["kept"] == res["want"] and len(res["kept"]) == 2 * res["decided"] > 0, res
     assert res["kept_outside"] > 0, res  # the decode steps read kept slots from the exact store
     assert res["outputs"] == 3 * res["S"], res
+    assert res["fmt"] == fmt and res["view_dtype"] == "torch.float32", res
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    print(json.dumps(_sim_main()))
+    print(json.dumps(_sim_main(sys.argv[1] if len(sys.argv) > 1 else "bf16")))

@@ -19,14 +19,15 @@ RECENT = BLOCK + sal.ECHO_WINDOW // 2 + 1  # the smallest recent window the bloc
 T = 130
 
 
-def _setup(budget=BUDGET, rows=3, size=600):
+def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16"):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from _pools import make_pool
     from sglang_tasq.srt.backend import TaSQAttnBackend
 
     cfg = TaSQConfig(codebook_size_k=16, codebook_size_v=16, sink_window=SINK, recent_window=RECENT,
-                     salient_budget=budget, salient_block=BLOCK, salient_layer=DECIDE, salient_after=2)
+                     salient_budget=budget, salient_block=BLOCK, salient_layer=DECIDE, salient_after=2,
+                     exact_format=exact_format)
     cb = random_codebooks(LAYERS, H, D, config=cfg, seed=3)
     pool = make_pool(cb, size=size, window_rows=rows)
     r2t = ReqToTokenPool(size=rows, max_context_len=256, device="cpu", enable_memory_saver=False)
@@ -85,15 +86,16 @@ class Runner:
         return torch.nonzero(self.pool.exact.kept[slots]).flatten().tolist()
 
 
-def _reference_kept(cb, data, S):
+def _reference_kept(cb, data, S, exact_format="bf16"):
     """The blocks decided over the first S positions by the plain-torch rule: each query's window
-    echo over the exact keys (bf16 pre-RoPE copies, re-rotated), fp16 per (layer, head), layers
-    up to the deciding one."""
+    echo over the exact keys (bf16 pre-RoPE copies, or fp8 ones (:func:`salient.fp8_rows`),
+    re-rotated), fp16 per (layer, head), layers up to the deciding one."""
     q, k, _ = data
     rows = []
     for lid in range(DECIDE + 1):
         kk = k[lid, :S].view(S, H, D)
-        pre = apply_rope(kk, torch.arange(S), cb.inv_freq, cb.attention_scaling, inverse=True).to(torch.bfloat16)
+        pre = apply_rope(kk, torch.arange(S), cb.inv_freq, cb.attention_scaling, inverse=True)
+        pre = pre.to(torch.bfloat16) if exact_format == "bf16" else sal.fp8_rows(pre)
         post = apply_rope(pre.float(), torch.arange(S), cb.inv_freq, cb.attention_scaling)
         e = sal.query_echo(q[lid, :S].view(S, HQ, D), post, torch.arange(S), torch.arange(S), SINK, RECENT, D ** -0.5)
         rows.append(e.to(torch.float16).float().T)
@@ -101,8 +103,10 @@ def _reference_kept(cb, data, S):
                                                                           block=BLOCK, layer=DECIDE)).tolist()
 
 
-def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared():
-    pool, r2t, be_k, be_t, cb = _setup()
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared(fmt):
+    """(fp8: the exact store holds fp8 copies, ``exact_format``: the echo reads them.)"""
+    pool, r2t, be_k, be_t, cb = _setup(exact_format=fmt)
     data = _data()
     free = list(range(1, 600))
     rows = r2t.alloc_rows(3)
@@ -111,8 +115,10 @@ def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared():
     pieces = Runner(pool, r2t, be_k, rows[1], free)
     for n in (37, 1, 50, 42):
         pieces.forward(n, data, other=be_t)
-    want = _reference_kept(cb, data, T)
+    want = _reference_kept(cb, data, T, fmt)
     assert len(want) == BUDGET * sal.decided_blocks(T, pool.salient) and min(want) >= SINK
+    if fmt == "fp8":
+        assert pool.exact.fmt == "fp8" and pool.exact.k_scale is not None
     assert whole.kept() == want and pieces.kept() == want
     # the same attention, whole or chunked; the deciding layer and after read the kept tokens
     for lid in range(LAYERS):

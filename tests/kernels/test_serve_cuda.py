@@ -40,18 +40,20 @@ class Batch:
     forward_mode: object
 
 
-def _setup(window_rows: str, mixed: bool = False):
+def _setup(window_rows: str, mixed: bool = False, exact_format: str = "bf16"):
     """Two (pool, backend) pairs on CPU. ``window_rows`` sizes the exact store
     (SGLANG_TASQ_WINDOW_ROWS); raised to the ReqToTokenPool size (4) when smaller, as
     ``attach_request_rows`` requires. ``mixed``: a per-layer key rate (layer 1's keys in groups
-    of 4 of 16 codewords: key rows of another width than layer 0's)."""
+    of 4 of 16 codewords: key rows of another width than layer 0's). ``exact_format``: the exact
+    store's copies (bf16, or fp8 codes with fp16 scales)."""
     from _pools import make_backend, make_pool
 
     from sglang_tasq.config import TaSQConfig
     from sglang_tasq.testing import random_codebooks
 
     mix = dict(mix_layers=(1,), mix_group_size_k=4, mix_codebook_size_k=16) if mixed else {}
-    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3, **mix)
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=2, recent_window=3,
+                     exact_format=exact_format, **mix)
     cb = random_codebooks(2, 2, 16, cfg, seed=3)
     cb.k_codebook = tuple(c.half().float() for c in cb.k_codebook) if mixed else cb.k_codebook.half().float()
     cb.v_codebook = cb.v_codebook.half().float()
@@ -64,7 +66,7 @@ def _strict_pairs(prefix: int, seq: int, sink: int, recent: int) -> int:
     return sum(1 for i in range(prefix, seq) for j in range(prefix, i + 1) if sink <= j < i + 1 - recent)
 
 
-def _sim_main(mixed: bool = False) -> dict:
+def _sim_main(mixed: bool = False, exact_format: str = "bf16") -> dict:
     import types
 
     import torch
@@ -72,13 +74,15 @@ def _sim_main(mixed: bool = False) -> dict:
 
     from sglang_tasq.srt.serve_cuda import TaSQCudaAdapter
 
-    (pool_a, pool_b), (be_a, be_b) = _setup("2", mixed)
+    (pool_a, pool_b), (be_a, be_b) = _setup("2", mixed, exact_format)
     assert pool_a.exact.capacity == REQ_ROWS * (2 + 2 * 3)
     rows = [be.req_to_token_pool.alloc_rows(3) for be in (be_a, be_b)]
     assert rows[0] == rows[1]
     rows = rows[0]
     ad32 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, full_dtype=torch.float32)
-    ad16 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, max_view_tokens=4)  # bf16 windows, 1 request/group
+    # the serving default (bf16 view rows for a bf16 store, f32 for an fp8 one), 1 request per group
+    ad16 = TaSQCudaAdapter(pool_a, be_a.req_to_token_pool, max_view_tokens=4)
+    res0 = {"view_dtype": str(ad16.full_dtype)}
     layers = [types.SimpleNamespace(layer_id=i, tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=16, v_head_dim=16,
                                     scaling=0.25) for i in range(2)]
     gen = torch.Generator().manual_seed(7)
@@ -140,21 +144,24 @@ def _sim_main(mixed: bool = False) -> dict:
             res["codes"] += 2 * used
             # entry 0 ("none") is the adapter's never-read dump for tokens outside every window
             ea, eb = pool_a.exact, pool_b.exact
-            res["exact"] = max(res["exact"], float((ea.k[lid][1:].float() - eb.k[lid][1:].float()).abs().max()),
-                               float((ea.v[lid][1:].float() - eb.v[lid][1:].float()).abs().max()))
+            every = torch.arange(1, ea.capacity + 1)
+            (ka, va), (kb, vb) = ea.read(lid, every), eb.read(lid, every)
+            res["exact"] = max(res["exact"], float((ka - kb).abs().max()), float((va - vb).abs().max()))
     res["entries_equal"] = bool(torch.equal(pool_a.exact.entry_of, pool_b.exact.entry_of)
                                 and torch.equal(pool_a.exact.owner, pool_b.exact.owner))
     res["entries_used"] = pool_a.exact.used()
     res["entries_written"] = bool((pool_a.exact.k[0][1:pool_a.exact.used() + 1] != 0).any(-1).any(-1).all())
     res["plan_groups"] = [len(be_a.forward_metadata["tasq_cuda_plan"]), len(md16["tasq_cuda_plan"])]
     res["key_row_bytes"] = [int(b.shape[1]) for b in pool_a.k_buffer]
-    return res
+    return {**res0, **res}
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["one_key_rate", "per_layer_key_rate"])
-def test_adapter_matches_cpu_path_in_simulator(mixed):
+@pytest.mark.parametrize("mixed,fmt", [(False, "bf16"), (True, "bf16"), (False, "fp8")],
+                         ids=["one_key_rate", "per_layer_key_rate", "fp8_store"])
+def test_adapter_matches_cpu_path_in_simulator(mixed, fmt):
     env = child_env(NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve())] + (["mixed"] if mixed else []), cwd=ROOT,
+    args = (["mixed"] if mixed else []) + ([fmt] if fmt != "bf16" else [])
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve())] + args, cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert p.returncode == 0 and lines, p.stderr[-4000:]
@@ -164,7 +171,9 @@ def test_adapter_matches_cpu_path_in_simulator(mixed):
     assert res["key_row_bytes"] == ([3 + 2, 4 + 2] if mixed else [3 + 2, 3 + 2])  # codes + the fp16 scale
     assert res["strict_pairs"] > 0 and res["shared_entries"] == 4, res
     assert res["tight"] < 1e-4, res
-    assert res["loose"] < 3e-2, res
+    # bf16 view rows (the serving default for a bf16 store) round; an fp8 store's are f32: tight
+    assert res["view_dtype"] == ("torch.float32" if fmt == "fp8" else "torch.bfloat16"), res
+    assert res["loose"] < (1e-4 if fmt == "fp8" else 3e-2), res
     assert res["code_mismatch"] <= max(1, res["codes"] // 50), res
     assert res["exact"] < 1e-2 and res["entries_equal"], res
     assert res["entries_used"] > 0 and res["entries_written"], res
@@ -174,4 +183,5 @@ def test_adapter_matches_cpu_path_in_simulator(mixed):
 
 if __name__ == "__main__":
     set_env("NUMBA_ENABLE_CUDASIM", "1")
-    print(json.dumps(_sim_main(mixed="mixed" in sys.argv[1:])), flush=True)
+    print(json.dumps(_sim_main(mixed="mixed" in sys.argv[1:], exact_format="fp8" if "fp8" in sys.argv[1:] else "bf16")),
+          flush=True)

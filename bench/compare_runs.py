@@ -14,6 +14,16 @@ two folders measured one fit)::
     python -m bench.compare_runs --a before=bench/results/retrieval/issue13_before/RUN \\
         --b after=bench/results/retrieval/issue13_after/RUN --point tasq:64+256 --lengths 2048 4096 \\
         --out bench/results/retrieval/issue13_before_after.md
+
+A side may also be a :mod:`bench.quality` run of the NIAH **server view** (``--niah-view server``:
+real SGLang servers answering the same samples; its cold pass is compared): the served method is
+the point's method with the point's windows, the run's question order must be the point's, and the
+samples must be the same (model, samples per task, tasks, token cap; gold answers checked per
+sample). What the artifact keeps besides (salient tokens, fp8 copies) is the artifact's: both
+sides' artifact ids are printed::
+
+    python -m bench.compare_runs --a decode=bench/results/retrieval/echo/RUN \\
+        --b server=bench/results/quality/salient_served8/RUN --point "tasq:64+256:S36/192L17a12e:x8:first"
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import methods as M
 from . import stats
 from .pareto import SAME_WORKLOAD, workload
 from .retrieval import Point, _by_task, paired, per_sample
@@ -34,18 +45,46 @@ def _side(text: str) -> tuple[str, Path]:
     return label, Path(path)
 
 
-def _config(run: Path) -> dict:
+#: the workload fields a retrieval run and a quality run's server view share (the server's model
+#: dtype and the quality preset are the server's and the artifact's own)
+SERVER_WORKLOAD = ("model", "samples", "tasks", "max_new")
+
+
+def _raw_config(run: Path) -> dict:
     path = run / "config.json"
     if not path.is_file():
-        raise ValueError(f"{run}: no config.json (not a bench.retrieval run folder)")
-    return workload(json.loads(path.read_text()))
+        raise ValueError(f"{run}: no config.json (not a bench.retrieval or bench.quality run folder)")
+    return json.loads(path.read_text())
+
+
+def _is_server(run: Path) -> bool:
+    return _raw_config(run).get("niah_view") == "server"
+
+
+def _config(run: Path) -> dict:
+    cfg = _raw_config(run)
+    if cfg.get("niah_view") == "server":  # a bench.quality run, server view
+        return {"model": cfg["model"], "samples": cfg["niah_samples"], "tasks": cfg["niah_tasks"],
+                "max_new": cfg["niah_max_new"], "question": cfg.get("niah_question", "last")}
+    return workload(cfg)
 
 
 def _item(run: Path, point: Point, length: int) -> dict:
-    path = run / "items" / f"{point.slug}__{length}.json"
+    if _is_server(run):
+        order = _config(run)["question"]
+        if point.later or order != point.question:
+            raise ValueError(f"{run}: its server view asked the question {order}, {point.name} asks it "
+                             f"{'later' if point.later else point.question}")
+        windows = "none" if point.sink + point.recent == 0 else f"{point.sink}+{point.recent}"
+        path = run / "items" / "ruler_server" / f"{point.method}__{windows}__{length}.json"
+    else:
+        path = run / "items" / f"{point.slug}__{length}.json"
     if not path.is_file():
         raise ValueError(f"{run}: no item for {point.name} at {length} tokens ({path.name})")
-    return json.loads(path.read_text())
+    item = json.loads(path.read_text())
+    if "mean_length" not in item:  # a server item: the prompts' token counts per sample
+        item["mean_length"] = sum(p["length"] for p in item["preds"]) / max(1, len(item["preds"]))
+    return item
 
 
 def compare(a: tuple[str, Path], b: tuple[str, Path], point: str, lengths, point_b: str | None = None) -> list[dict]:
@@ -54,9 +93,11 @@ def compare(a: tuple[str, Path], b: tuple[str, Path], point: str, lengths, point
     differ, or an item is missing)."""
     (la, ra), (lb, rb) = a, b
     ca, cb = _config(ra), _config(rb)
+    if _is_server(ra) or _is_server(rb):
+        ca, cb = ({k: c[k] for k in SERVER_WORKLOAD} for c in (ca, cb))
     if ca != cb:
         raise ValueError(f"{ra} and {rb} are different workloads (field: (A, B)) "
-                         f"{ {k: (ca[k], cb[k]) for k in SAME_WORKLOAD if ca[k] != cb[k]} }")
+                         f"{ {k: (ca[k], cb[k]) for k in ca if ca[k] != cb[k]} }")
     p, pb = Point.parse(point), Point.parse(point_b or point)
     rows = []
     for length in lengths:
@@ -84,8 +125,8 @@ def markdown(a, b, point: str, rows: list, point_b: str | None = None) -> str:
     (la, ra), (lb, rb) = a, b
     what = point if point_b in (None, point) else f"{point} ({la}) and {point_b} ({lb})"
     head = [f"# {what}: {lb} against {la}, paired per sample", "",
-            f"- {la}: `{ra}` (artifacts {', '.join(f'{k} {v[:12]}' for k, v in _shas(ra).items()) or '-'})",
-            f"- {lb}: `{rb}` (artifacts {', '.join(f'{k} {v[:12]}' for k, v in _shas(rb).items()) or '-'})",
+            f"- {la}: `{ra}` (artifacts {', '.join(f'{k} {M.short_id(v)}' for k, v in _shas(ra).items()) or '-'})",
+            f"- {lb}: `{rb}` (artifacts {', '.join(f'{k} {M.short_id(v)}' for k, v in _shas(rb).items()) or '-'})",
             f"- Intervals: {stats.DESCRIPTION}, stratified by task.", "",
             f"| length (mean prompt) | samples | {la} NIAH [95%] | {lb} NIAH [95%] | {lb} - {la} [95%] | answers up / down |",
             "|---|---|---|---|---|---|"]

@@ -56,3 +56,37 @@ def test_two_points_of_the_same_samples_pair_across_folders(tmp_path):
                                                                               "tasq:64+256:first")
     with pytest.raises(ValueError, match="no item for tasq:64\\+256:first"):
         cr.compare(last, last, "tasq:64+256", [1024], point_b="tasq:64+256:first")
+
+
+def _server_run(tmp_path, name, hits, question="first", samples=2, gold="7"):
+    """A bench.quality run folder of the NIAH server view whose served tasq item at 1024 answers
+    sample i right where hits[i] (its cold pass)."""
+    run = tmp_path / name
+    (run / "items" / "ruler_server").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({
+        "model": "smollm2-135m", "preset": "default", "niah_view": "server", "niah_question": question,
+        "niah_samples": samples, "niah_tasks": CONFIG["tasks"], "niah_max_new": None, "model_dtype": "float32"}))
+    (run / "artifacts.json").write_text(json.dumps({"tasq": "c" * 64 + "+serving:" + "d" * 16}))
+    keys = [(t, i) for t in CONFIG["tasks"] for i in range(2)]
+    preds = [{"task": t, "index": i, "length": 880 + i, "gold": [f"{gold}{t}{i}"],
+              "pred": f"{gold}{t}{i}" if hit else "no", "pred_warm": "no"} for (t, i), hit in zip(keys, hits)]
+    (run / "items" / "ruler_server" / "tasq__64+256__1024.json").write_text(json.dumps(
+        {"length": 1024, "view": "server", "windows": "64+256", "preds": preds}))
+    return run
+
+
+def test_a_server_view_run_pairs_with_the_decode_view(tmp_path):
+    """A quality run of the server view is one side: its cold answers, paired with the decode view's
+    point on the same samples (the question order must match; another model dtype is the server's)."""
+    point = "tasq:64+256:S36/192L17a12e:x8:first"
+    dec = ("decode", _run(tmp_path, "a", [1, 0, 1, 0], point=point))
+    srv = ("server", _server_run(tmp_path, "s", [1, 1, 1, 0]))
+    (row,) = cr.compare(dec, srv, point, [1024])
+    assert row["server"]["mean"] == 75.0 and row["b_minus_a"]["mean"] == 25.0 and (row["b_up"], row["b_down"]) == (1, 0)
+    assert "+serving:dddd" in cr.markdown(dec, srv, point, [row])
+    with pytest.raises(ValueError, match="asked the question first, tasq:64\\+256 asks it last"):
+        cr.compare(("d2", _run(tmp_path, "b", [1, 1, 1, 1])), srv, "tasq:64+256", [1024])
+    with pytest.raises(ValueError, match="different workloads"):
+        cr.compare(dec, ("s8", _server_run(tmp_path, "s8", [1, 1, 1, 1], samples=8)), point, [1024])
+    with pytest.raises(ValueError, match="samples differ"):
+        cr.compare(dec, ("s9", _server_run(tmp_path, "s9", [1, 1, 1, 1], gold="8")), point, [1024])

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from . import methods as M
 from . import stats
-from .pareto import SAME_WORKLOAD, workload
+from .pareto import workload
 from .retrieval import Point, _by_task, paired, per_sample
 
 

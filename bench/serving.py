@@ -49,7 +49,10 @@ from .serving_report import hardware, merge_best, to_markdown, write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "serving"
-SERVERS = ("bf16", "fp8", "tasq", "tasq_salient")  # tasq_salient: --salient-config's artifact (salient tokens)
+# tasq_salient: --salient-config's artifact (salient tokens); tasq_salient8: --salient8-config's (salient
+# tokens and fp8 exact copies: calibrate serving --exact fp8), both with --salient-chunk
+SERVERS = ("bf16", "fp8", "tasq", "tasq_salient", "tasq_salient8")
+SALIENT_SERVERS = ("tasq_salient", "tasq_salient8")
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
 DATASET = "random-ids (range ratio 1.0, seed 1)"
 # the workload fields that change the measured figures (with the model, the artifact and the dataset)
@@ -69,16 +72,17 @@ PRESETS = {
 
 
 def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int, salient: Path | None = None,
-             forward_tokens: int = 0) -> dict:
+             forward_tokens: int = 0, salient8: Path | None = None) -> dict:
     """{server: (bytes per token slot, fixed bytes)}, the numbers SGLang's pool sizing uses
-    (``salient``: the tasq_salient server's artifact; ``forward_tokens``: its chunked prefill size)."""
+    (``salient``/``salient8``: the tasq_salient / tasq_salient8 servers' artifacts; ``forward_tokens``:
+    their chunked prefill size)."""
     fp = fingerprint(model_config_dict(str(model_dir)))
     bf16 = fp.num_kv_heads * 2 * fp.head_dim * fp.num_layers * 2
     cells = {"bf16": (bf16, 0), "fp8": (bf16 // 2, 0)}
     from sglang_tasq.artifact import load_artifact
     from sglang_tasq.windows import cell_bytes, store_bytes
 
-    for name, path in (("tasq", manifest), ("tasq_salient", salient)):
+    for name, path in (("tasq", manifest), ("tasq_salient", salient), ("tasq_salient8", salient8)):
         if path is not None:
             cfg = load_artifact(path).config
             cells[name] = (cell_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers),
@@ -103,8 +107,9 @@ def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None)
         return cmd + ["--attention-backend", "torch_native"]
     if name == "fp8":  # SGLang's CPU fp8 KV cache requires the intel_amx backend (and AMX)
         return cmd + ["--attention-backend", "intel_amx", "--kv-cache-dtype", "fp8_e4m3"]
-    if name == "tasq_salient":
-        return cmd + ["--tasq-config", str(a.salient_config), "--chunked-prefill-size", str(a.salient_chunk)]
+    if name in SALIENT_SERVERS:
+        art = a.salient_config if name == "tasq_salient" else a.salient8_config
+        return cmd + ["--tasq-config", str(art), "--chunked-prefill-size", str(a.salient_chunk)]
     return cmd + ["--tasq-config", str(a.tasq_config)]
 
 
@@ -239,6 +244,8 @@ def workload_key(a) -> dict:
     key.update(model=a.model, dataset=DATASET, artifact=artifact_id(a.tasq_config))
     if "tasq_salient" in a.servers:
         key.update(salient_artifact=artifact_id(a.salient_config), salient_chunk=a.salient_chunk)
+    if "tasq_salient8" in a.servers:
+        key.update(salient8_artifact=artifact_id(a.salient8_config), salient_chunk=a.salient_chunk)
     if a.paired:
         key["servers"] = sorted(a.servers)
     return key
@@ -301,8 +308,10 @@ def parse_args(argv=None):
                     help="TaSQ artifact (default: the first of %s that exists)" % [str(p.relative_to(ROOT)) for p in DEFAULT_ARTIFACTS])
     ap.add_argument("--salient-config", type=Path, default=None,
                     help="the tasq_salient server's artifact (calibrate serving --salient ...)")
+    ap.add_argument("--salient8-config", type=Path, default=None,
+                    help="the tasq_salient8 server's artifact (calibrate serving --salient ... --exact fp8)")
     ap.add_argument("--salient-chunk", type=int, default=None,
-                    help="the tasq_salient server's --chunked-prefill-size (default: the input length, one chunk "
+                    help="the salient servers' --chunked-prefill-size (default: the input length, one chunk "
                          "per prompt as the other servers prefill it; a chunk's tokens outside the recent window "
                          "hold exact entries until their block of salient tokens is decided, charged as fixed bytes)")
     ap.add_argument("--servers", nargs="+", choices=SERVERS, default=["bf16", "fp8", "tasq"])
@@ -335,6 +344,13 @@ def parse_args(argv=None):
     a.salient_chunk = a.salient_chunk or a.input_len
     if "tasq_salient" in a.servers and (a.salient_config is None or not Path(a.salient_config).is_file()):
         ap.error("tasq_salient needs --salient-config PATH (an artifact with salient tokens: calibrate serving --salient)")
+    if "tasq_salient8" in a.servers:
+        if a.salient8_config is None or not Path(a.salient8_config).is_file():
+            ap.error("tasq_salient8 needs --salient8-config PATH (calibrate serving --salient ... --exact fp8)")
+        cfg = json.loads(Path(a.salient8_config).read_text()).get("config", {})
+        if cfg.get("exact_format") != "fp8" or not cfg.get("salient_budget"):
+            ap.error(f"--salient8-config {a.salient8_config}: an artifact with salient tokens and fp8 exact copies is "
+                     "needed (calibrate serving --salient ... --exact fp8)")
     return a
 
 
@@ -350,7 +366,8 @@ def main(argv=None, *, launch=run_servers) -> int:
         return 0
     model_dir = resolve_model(a.model)
     cells = kv_cells(model_dir, a.tasq_config if "tasq" in a.servers else None, a.window_rows,
-                     a.salient_config if "tasq_salient" in a.servers else None, a.salient_chunk)
+                     a.salient_config if "tasq_salient" in a.servers else None, a.salient_chunk,
+                     a.salient8_config if "tasq_salient8" in a.servers else None)
     budget = int(a.kv_budget_mib * 2**20)
     a.run_dir.mkdir(parents=True, exist_ok=True)
     art = os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None

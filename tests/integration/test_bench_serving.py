@@ -87,6 +87,36 @@ def test_server_cmd_per_kind(tmp_path, artifact):
     assert (b.input_len, b.concurrency, b.output_len) == (128, [2], 32)
 
 
+def test_salient_servers_take_their_artifacts(tmp_path, smol, artifact):
+    """tasq_salient and tasq_salient8 (fp8 exact copies) serve their own artifacts with the salient
+    chunk; the fp8 one's slots are the smaller (kv_cells = the pool's sizing); an artifact without
+    fp8 copies is refused for tasq_salient8."""
+    import subprocess
+    import sys
+
+    from sglang_tasq.artifact import load_artifact
+    from sglang_tasq.windows import cell_bytes
+
+    paths = {}
+    for name, extra in (("sal", []), ("sal8", ["--exact", "fp8"])):
+        subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out",
+                        str(tmp_path / name), "--salient", "36/192@17", *extra], check=True, capture_output=True)
+        paths[name] = tmp_path / name / "tasq.json"
+    argv = ["--quick", "--servers", "tasq_salient", "tasq_salient8", "--salient-config", str(paths["sal"]),
+            "--salient8-config", str(paths["sal8"]), "--out", str(tmp_path / "run")]
+    a = serving.parse_args(argv)
+    for name, path in (("tasq_salient", paths["sal"]), ("tasq_salient8", paths["sal8"])):
+        cmd = serving.server_cmd(name, Path("/m"), 1234, a, 1000)
+        assert cmd[cmd.index("--tasq-config") + 1] == str(path)
+        assert cmd[cmd.index("--chunked-prefill-size") + 1] == str(a.input_len)
+    cells = serving.kv_cells(smol, None, a.window_rows, paths["sal"], a.salient_chunk, paths["sal8"])
+    cfg8 = load_artifact(paths["sal8"]).config
+    assert cells["tasq_salient8"][0] == cell_bytes(cfg8, 3, 64, 30) < cells["tasq_salient"][0]
+    assert cells["tasq_salient8"][1] < cells["tasq_salient"][1] / 1.8  # the fixed store, halved
+    with pytest.raises(SystemExit):
+        serving.parse_args(argv[:5] + ["--salient8-config", str(paths["sal"])])
+
+
 def test_scan_peaks_keeps_maxima():
     peak = {}
     serving.scan_peaks({"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 0, "token_usage": 0.5}]}, peak)

@@ -1,11 +1,14 @@
-"""Salient tokens served (issue 14): an artifact with ``calibrate serving --salient 36/192@17`` through
-a real SGLang server (CPU, SmolLM2, radix cache on, prompts prefilled in chunks of 256, 4 requests
-in flight) gives the NIAH answers of the HF decode view's streaming point
-``tasq:64+256:S36/192L17a12e:first`` on the same artifact and question-first samples, cold and
+"""Salient tokens served (issue 14): an artifact with ``calibrate serving --salient 36/192@17 --exact
+fp8`` (the shipped setting: salient tokens, every exact copy held as fp8 with an fp16 scale per token
+and head) through a real SGLang server (CPU, SmolLM2, radix cache on, prompts prefilled in chunks of
+256, 4 requests in flight) gives the NIAH answers of the HF decode view's streaming point
+``tasq:64+256:S36/192L17a12e:x8:first`` on the same artifact and question-first samples, cold and
 warm (the second pass reads its prefix from the radix cache, kept slots included), and the HF
 ``TaSQCache`` on the same artifact (``model=``: it keeps the salient tokens itself), fed one token
 at a time so that every prompt query reads the per-query window rule the server reads, answers
-the same.
+the same. (bf16 copies: the same pool and backend code with the other store format, checked
+against the same references in tests/kernels/test_salient_pool.py and test_cpu_pool.py; served
+NIAH in the README.)
 
 Samples: question-first prompts at 1k of tasks the salient point answers, so that agreeing answers
 are not two failures agreeing (answers that end at a near-tie differ between the engine's bf16
@@ -25,7 +28,7 @@ from bench.ruler import _samples, token_cap
 
 from _support import ROOT
 
-POINT = "tasq:64+256:S36/192L17a12e:first"
+POINT = "tasq:64+256:S36/192L17a12e:x8:first"
 TASKS = ("niah_single_1", "niah_single_2")  # answered by the point at 1k: a path that misreads fails them
 
 
@@ -39,6 +42,7 @@ def _hf_cache_answer(model, tok, codebooks, sample, cap: int) -> str:
 
     c = codebooks.config
     cache = TaSQCache(codebooks, c.sink_window, c.recent_window, model=model)
+    assert cache.exact_format == ("fp8" if c.exact_format == "fp8" else None)
     ids, eos, out = tok(sample["prompt"], add_special_tokens=False)["input_ids"], _eos_ids(model, tok), []
     with torch.no_grad():
         for t in ids:
@@ -59,7 +63,7 @@ def _hf_cache_answer(model, tok, codebooks, sample, cap: int) -> str:
 def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_dir, smollm2_tokenizer):
     out = tmp_path / "salient"
     subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out", str(out),
-                    "--salient", "36/192@17"], check=True, cwd=str(ROOT), timeout=300)
+                    "--salient", "36/192@17", "--exact", "fp8"], check=True, cwd=str(ROOT), timeout=300)
     manifest = out / "tasq.json"
 
     from bench import methods as M
@@ -71,7 +75,7 @@ def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_di
     method = M.build(spec, out, fingerprint(load_config(smollm2_dir)))
     point = R.Point.parse(POINT)
     dec = R.evaluate(model, tok, method, point, 1024, 1, TASKS, max_new=64)
-    plain = R.evaluate(model, tok, method, R.Point.parse("tasq:64+256:first"), 1024, 1, TASKS, max_new=64)
+    plain = R.evaluate(model, tok, method, R.Point.parse("tasq:64+256:x8:first"), 1024, 1, TASKS, max_new=64)
     samples = [s for t in TASKS for s in _samples(smollm2_tokenizer, t, 1024, 1, "first")]
     caps = [token_cap(s, 64) for s in samples]
     with RS.served("tasq", smollm2_dir, manifest, tmp_path / "server.log") as (base, state):
@@ -91,6 +95,7 @@ def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_di
     from sglang_tasq.artifact import load_artifact
 
     codebooks = load_artifact(manifest).codebooks
+    assert codebooks.config.exact_format == "fp8"  # the HF cache holds its copies as the server does
     hf = [_hf_cache_answer(model, tok, codebooks, s, c) for s, c in zip(samples, caps)]
     print({"hf cache": hf})
     for s, w, h in zip(samples, want, hf):

@@ -301,9 +301,15 @@ def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale
 
 
+#: float8_e4m3fn code -> its value (f32), read by :func:`fp8_decode` as a table gather (several
+#: times faster on a CPU than converting float8 elements, and the same values)
+FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(codes [..., d] uint8, scale [...] fp16) of :func:`fp8_encode` -> [..., d] f32."""
-    return codes.view(torch.float8_e4m3fn).float() * scale.float()[..., None]
+    """(codes [..., d] uint8, scale [...] fp16) of :func:`fp8_encode` -> [..., d] f32 (code x scale)."""
+    table = FP8_VALUES if codes.device.type == "cpu" else FP8_VALUES.to(codes.device)
+    return torch.take(table, codes.long()) * scale.float()[..., None]
 
 
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -199,10 +199,10 @@ class ExactStore:
             return
         from .salient import fp8_encode
 
-        for buf, sbuf, x in ((self.k, self.k_scale, k_pre), (self.v, self.v_scale, v)):
-            codes, scale = fp8_encode(x.to(buf[layer].device))
-            buf[layer][ent] = codes
-            sbuf[layer][ent] = scale
+        dev = self.k[layer].device
+        codes, scale = fp8_encode(torch.stack([k_pre.to(dev, torch.float32), v.to(dev, torch.float32)]))
+        self.k[layer][ent], self.v[layer][ent] = codes[0], codes[1]
+        self.k_scale[layer][ent], self.v_scale[layer][ent] = scale[0], scale[1]
 
     def read(self, layer: int, ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-RoPE keys, values) [n, H, d] f32 of entries ``ent`` [n] of local layer ``layer``."""

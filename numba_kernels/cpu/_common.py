@@ -107,6 +107,58 @@ def _f32_to_bf16_bits(x):
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+@njit(cache=True)
+def _f32_to_fp8_bits(y):
+    """float32 with |y| <= 448 -> float8_e4m3fn bits, round to nearest even, subnormals included
+    (as torch's .to(float8_e4m3fn) of a clamped value); the sign of a zero is kept. Integer
+    arithmetic on the float's bits: no float op whose rounding fastmath could change."""
+    u = np.int64(_f32_bits(y))
+    sign = np.uint8((u >> 24) & 0x80)
+    e = ((u >> 23) & 0xFF) - 127
+    m = u & 0x7FFFFF
+    if e < -6:  # below fp8's smallest normal (2^-6): a multiple of 2^-9 (0..8, 8 = 2^-6)
+        s = 14 - e  # the full 24-bit mantissa times 2^(e - 23), in units of 2^-9
+        if s > 25:  # < 2^-11 (zero and float32 subnormals included): rounds to zero
+            return sign
+        q = (m | 0x800000) >> s
+        rem = (m | 0x800000) & ((np.int64(1) << s) - 1)
+        half = np.int64(1) << (s - 1)
+        if rem > half or (rem == half and (q & 1) == 1):
+            q += 1
+        return sign | np.uint8(q)
+    q = m >> 20  # 3 mantissa bits
+    rem = m & 0xFFFFF
+    if rem > 0x80000 or (rem == 0x80000 and (q & 1) == 1):
+        q += 1
+    if q == 8:
+        q = 0
+        e += 1
+    return sign | np.uint8(((e + 7) << 3) | q)
+
+
+@njit(cache=True)
+def _fp8_store_row(src, t, dst, r, wi, sdst):
+    """src[t] [H, d] f32 -> fp8 e4m3 codes at dst[r, wi] [H, d] and one fp16 scale (absmax / 448,
+    >= 2^-24) per head at sdst[r] [H] (bits): :func:`sglang_tasq.salient.fp8_encode`, bit for bit.
+    Compiled without fastmath (the divisions round as torch's) and not inlined into a caller's
+    fastmath code."""
+    H, d = src.shape[1], src.shape[2]
+    for h in range(H):
+        a = np.float32(0.0)
+        for c in range(d):
+            a = max(a, abs(src[t, h, c]))
+        sc = a / np.float32(448.0)
+        if sc < np.float32(2.0 ** -24):
+            sc = np.float32(2.0 ** -24)
+        sb = _f32_to_half_bits(sc)
+        sdst[r, h] = sb
+        sf = _half_bits_to_f32(sb)
+        for c in range(d):
+            y = src[t, h, c] / sf
+            y = min(max(y, np.float32(-448.0)), np.float32(448.0))
+            dst[r, wi, h, c] = _f32_to_fp8_bits(y)
+
+
 # ---- numpy views of the host wrappers' arguments ---------------------------------------------
 def _as_f32(t: torch.Tensor) -> np.ndarray:
     return _np(t, torch.float32)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from sglang_tasq.packing import SCALE_MODE_ID, packed_row_bytes, scales_per_token
+from sglang_tasq.salient import FP8_VALUES
 
 from ._common import _NO_RING, _SERIAL_BELOW, _arr, _as_f32, _np, _u16
 from .decode import _decode_attention
@@ -19,7 +20,7 @@ _NO_KEPT = np.zeros(0, np.uint8)  # no kept slots (the window rule alone)
 _NO_SCALES = np.zeros((1, 1), np.uint16)  # bf16 exact entries: no per-entry scales
 _NO_LUT = np.zeros(0, np.float32)  # ... and no fp8 code table
 # float8_e4m3fn code -> its value (the fp8 exact store's entries are code x fp16 scale)
-FP8_LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+FP8_LUT = FP8_VALUES.numpy()
 SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
 ROPE_COMPOSE_TOL = 1e-3  # |table - composed| / m allowed where the decode kernel composes RoPE rows
 
@@ -259,11 +260,13 @@ class PoolEncoder:
                     cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor, k_rows: torch.Tensor,
                     v_rows: torch.Tensor, code_bytes_k: int, wring: torch.Tensor | None = None,
                     widx: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
-                    win_v: torch.Tensor | None = None) -> bool:
+                    win_v: torch.Tensor | None = None, win_scales=None) -> bool:
         """k_post/v [T, H, d] (any float dtype), positions [T] (< len(cos)), loc [T] slots of
         k_rows/v_rows (uint8 pool buffers, written in place); optional window targets wring [T]
         (exact-store entry, 0 = none) and widx [T] (0) into bf16 entries win_k/win_v [E + 1, 1, H, d]
-        (tensors or uint16 numpy views; the pool passes views made once).
+        (tensors or uint16 numpy views; the pool passes views made once), or with ``win_scales``
+        (key, value scales [E + 1, H] fp16, or their uint16 views) into an fp8 store: win_k/win_v
+        uint8 float8_e4m3fn codes (:func:`sglang_tasq.salient.fp8_encode`, bit for bit).
 
         Returns False, having written nothing, when a tailored key or a value is not finite
         (the caller then uses the reference path, whose argmin defines that case)."""
@@ -282,16 +285,22 @@ class PoolEncoder:
         cosn, sinn = _arr(cos, _as_f32), _arr(sin, _as_f32)
         kb, vb = _arr(k_rows, torch.Tensor.numpy), _arr(v_rows, torch.Tensor.numpy)
         Hs = scales_per_token(cfg, H)
+        fp8 = win_scales is not None and wring is not None
+        wks = wvs = _NO_SCALES
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]
+        elif fp8:
+            wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
+            wk, wv = _arr(win_k, torch.Tensor.numpy), _arr(win_v, torch.Tensor.numpy)
+            wks, wvs = (_arr(t, _u16) for t in win_scales)
         else:
             wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
             wk, wv = _arr(win_k, _u16), _arr(win_v, _u16)
         if T < _SERIAL_BELOW:  # a decode step: one call
             return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, SCALE_MODE_ID[cfg.scale], gk, gv,
                                   kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, bits_k,
-                                  cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv)
+                                  cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv, fp8, wks, wvs)
         kpre = np.empty((T, H, d), np.float32)
         x = np.empty((T, H * (d // gk), gk), np.float32)
         sbits = np.zeros((T, Hs), np.uint16)
@@ -303,5 +312,5 @@ class PoolEncoder:
         _search(x, kprep, kcodes)
         _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
         _write_rows(kcodes, sbits, vcodes, bits_k, cfg.code_bits_v, code_bytes_k,
-                    locn, kb, vb, kpre, vf, wr, wi, wk, wv)
+                    locn, kb, vb, kpre, vf, wr, wi, wk, wv, fp8, wks, wvs)
         return True

@@ -308,20 +308,15 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             cos, sin = self.rope_table(int(positions.max()) + 1)
             _, _, cos_np, sin_np = self._rope
             wr = wi = None
-            fp8 = self.exact is not None and self.exact.fmt == "fp8"  # fp8 entries are written in torch
-            if win_targets is not None and not fp8:
+            if win_targets is not None:
                 wr, wi, _ = win_targets
+            scales = (self._np["wks"][lid], self._np["wvs"][lid]) if self._np["wks"] is not None else None
             done = self._encoder.encode_into(
                 layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos_np, sin_np, loc,
                 self._np["k"][lid], self._np["v"][lid], self.code_bytes_k_of[lid], wr, wi,
-                self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None)
+                self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None,
+                win_scales=scales if wr is not None else None)
             if done:
-                if fp8 and win_targets is not None:
-                    keep = win_targets[0] > 0
-                    if bool(keep.any()):
-                        k_pre = apply_rope(cache_k.reshape(T, H, d)[keep], positions[keep], cb.inv_freq,
-                                           cb.attention_scaling, inverse=True)
-                        self.exact.write(lid, win_targets[0][keep], k_pre, cache_v.reshape(T, H, d)[keep])
                 return
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)

@@ -138,3 +138,37 @@ def test_nearest_sqdist_is_the_lane_search_with_its_distance(T, N, K):
     assert (torch.from_numpy(codes)[0] == 1).all()
     chosen = torch.gather(d, 2, torch.from_numpy(codes).long()[..., None])[..., 0]
     torch.testing.assert_close(torch.from_numpy(dist).double(), chosen, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_encode_kernel_is_torch_bit_for_bit():
+    """The encoder's fp8 exact entries (``_f32_to_fp8_bits``, ``_fp8_store_row``) equal
+    :func:`sglang_tasq.salient.fp8_encode` bit for bit: every e4m3 value, every midpoint between
+    neighbours (ties to even) and the floats just around it, subnormals, signed zeros, the clamp
+    at 448, and rows of every magnitude (per-head fp16 scales, their 2^-24 floor)."""
+    from numba import njit
+
+    from numba_kernels.cpu._common import _f32_to_fp8_bits, _fp8_store_row
+    from sglang_tasq.salient import FP8_VALUES, fp8_encode
+
+    @njit
+    def convert(a, out):
+        for i in range(a.shape[0]):
+            out[i] = _f32_to_fp8_bits(a[i])
+
+    v = torch.unique(FP8_VALUES[~torch.isnan(FP8_VALUES)])
+    mid = (v[1:] + v[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    y = torch.cat([v, mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1),
+                   torch.randn(50000, generator=gen) * torch.logspace(-14, 2.7, 50000),
+                   torch.tensor([0.0, -0.0, 1e-40, -1e-40, 448.0, -448.0, 2.0 ** -9, 2.0 ** -10])]).clamp(-448, 448)
+    got = np.empty(y.numel(), np.uint8)
+    convert(y.numpy(), got)
+    assert np.array_equal(got, y.to(torch.float8_e4m3fn).view(torch.uint8).numpy())
+    x = torch.randn(40, 3, 64, generator=gen) * torch.logspace(-12, 4, 40)[:, None, None]
+    x[3] = 0.0  # an all-zero row: the scale's floor
+    codes, scales = np.zeros((41, 1, 3, 64), np.uint8), np.zeros((41, 3), np.uint16)
+    for t in range(40):
+        _fp8_store_row(x.numpy(), t, codes, t + 1, 0, scales)
+    want_c, want_s = fp8_encode(x)
+    assert np.array_equal(codes[1:, 0], want_c.numpy())
+    assert np.array_equal(scales[1:], want_s.view(torch.int16).numpy().view(np.uint16))

@@ -165,8 +165,8 @@ class ExactStore:
         self.v = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_scale = self.v_scale = None
         if fmt == "fp8":
-            self.k_scale = [torch.zeros(E + 1, num_heads, dtype=torch.float16, device=device) for _ in range(num_layers)]
-            self.v_scale = [torch.zeros(E + 1, num_heads, dtype=torch.float16, device=device) for _ in range(num_layers)]
+            self.k_scale, self.v_scale = ([torch.zeros(E + 1, num_heads, dtype=torch.float16, device=device)
+                                           for _ in range(num_layers)] for _ in range(2))
         self.entry_of = torch.zeros(num_slots, dtype=torch.int64, device=device)
         # salient tokens: a slot whose token its prefix chose to keep exact (read exactly by every
         # later query from the deciding layer on); a property of the slot, reset when it is rewritten

@@ -184,8 +184,8 @@ class DecodePlan:
                           _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
                           tables.kw, tables.vcb, tables.bits_k, cfg.code_bits_v, tables.code_bytes_k, self.scale_mode,
                           self.cos, self.sin, self.composed, self.entry_of, kp, wk, wv, wks, wvs, lut,
-                          cfg.sink_window, cfg.recent_window, np.float32(sm_scale), self.chunk, self.nsplit, self.part_m, self.part_l,
-                          self.part_o, out)
+                          cfg.sink_window, cfg.recent_window, np.float32(sm_scale), self.chunk, self.nsplit,
+                          self.part_m, self.part_l, self.part_o, out)
         return torch.from_numpy(out)
 
     def _kept(self, kept) -> np.ndarray:

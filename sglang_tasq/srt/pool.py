@@ -137,8 +137,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self._np = {"k": [t.numpy() for t in self.k_buffer], "v": [t.numpy() for t in self.v_buffer],
                         "wk": [view(t) for t in self.win_k] if self.win_k else None,
                         "wv": [view(t) for t in self.win_v] if self.win_v else None,
-                        "wks": [u16_view(t) for t in self.exact.k_scale] if self.win_k and self.exact.k_scale else None,
-                        "wvs": [u16_view(t) for t in self.exact.v_scale] if self.win_k and self.exact.v_scale else None}
+                        "wks": None, "wvs": None}
+            if self.win_k and self.exact.k_scale is not None:
+                self._np["wks"] = [u16_view(t) for t in self.exact.k_scale]
+                self._np["wvs"] = [u16_view(t) for t in self.exact.v_scale]
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 

@@ -364,3 +364,23 @@ def test_a_kept_position_without_its_entry_cuts_the_prefix():
     store.kept[slots] = 1
     store.assign(slots[:1], torch.zeros(1, dtype=torch.bool))  # a rewritten slot is a new token: not kept
     assert store.kept[slots].tolist() == [0, 1, 1]
+
+
+def test_exact_store_holds_fp8_copies_with_a_scale_per_head():
+    """``fmt="fp8"``: uint8 codes and an fp16 scale per (entry, head), read back as code x scale
+    (:func:`salient.fp8_encode` / ``fp8_decode``), which is what ``held`` returns without a write;
+    an unknown format is refused by name."""
+    from sglang_tasq.salient import fp8_rows
+
+    st = ExactStore(8, 4, 2, 3, 16, fmt="fp8")
+    assert st.k[1].dtype == torch.uint8 and st.k_scale[1].shape == (5, 3) and st.k_scale[1].dtype == torch.float16
+    k, v = torch.randn(2, 3, 16) * 5, torch.randn(2, 3, 16) * 1e-3
+    ent = st.assign(torch.tensor([2, 6]), torch.ones(2, dtype=torch.bool))
+    st.write(1, ent, k, v)
+    rk, rv = st.read(1, ent)
+    assert torch.equal(rk, fp8_rows(k)) and torch.equal(rv, fp8_rows(v)) and torch.equal(st.held(k), rk)
+    assert torch.equal(st.read_k(1, ent), rk) and not bool(st.k[0].any())  # other layers untouched
+    bf = ExactStore(8, 4, 2, 3, 16)
+    assert bf.nbytes() - st.nbytes() == 2 * 2 * 5 * 3 * (16 * 2 - 16 - 2)  # layers x sides x entries x heads
+    with pytest.raises(ValueError, match="exact store format 'fp4'"):
+        ExactStore(8, 4, 1, 1, 2, fmt="fp4")

@@ -306,9 +306,14 @@ def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
+_FP8_TABLES = {"cpu": FP8_VALUES}  # the table per device, copied there once
+
+
 def fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(codes [..., d] uint8, scale [...] fp16) of :func:`fp8_encode` -> [..., d] f32 (code x scale)."""
-    table = FP8_VALUES if codes.device.type == "cpu" else FP8_VALUES.to(codes.device)
+    table = _FP8_TABLES.get(str(codes.device))
+    if table is None:
+        table = _FP8_TABLES[str(codes.device)] = FP8_VALUES.to(codes.device)
     return torch.take(table, codes.long()) * scale.float()[..., None]
 
 

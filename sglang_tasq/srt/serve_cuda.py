@@ -156,13 +156,7 @@ class TaSQCudaAdapter:
         if self.windows and wt is not None:
             # tokens outside every window (entry 0) all land on entry 0, the store's never-read
             # "none" entry: one unmasked copy instead of a masked one (which would sync)
-            ent = wt[0].to(k.device, torch.int64)
-            ex = self.pool.exact
-            if ex.fmt == "bf16":
-                ex.k[lid].index_copy_(0, ent, k_pre.to(ex.k[lid].dtype))
-                ex.v[lid].index_copy_(0, ent, v.to(ex.v[lid].dtype))
-            else:  # fp8 codes and scales (entry 0 takes the outside tokens' writes, as above)
-                ex.write(lid, ent, k_pre, v)
+            self.pool.exact.write(lid, wt[0].to(k.device, torch.int64), k_pre, v)
 
     # ---- extend (strict per-query windows) ---------------------------------------------------
     def _rope(self, md, n: int, device, tb):

@@ -87,9 +87,9 @@ def store_entries(sink: int, recent: int, rows: int) -> int:
 
 def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int, fmt: str = "bf16") -> int:
     """Bytes of one exact-store entry: keys + values of every layer (bf16; or fp8 with an fp16
-    scale per KV head, ``fmt="fp8"``), owner, stamp, free list."""
+    scale per KV head, ``fmt="fp8"``), owner, stamp, free list (8 bytes each), interior flag."""
     row = num_kv_heads * head_dim * 2 if fmt == "bf16" else num_kv_heads * (head_dim + 2)
-    return 2 * row * num_layers + 24
+    return 2 * row * num_layers + 25
 
 
 def salient_entries(cfg, num_slots: int, forward_tokens: int) -> int:
@@ -148,8 +148,9 @@ class ExactStore:
     [E + 1, H] (:func:`sglang_tasq.salient.fp8_encode`; None for bf16). Write with :meth:`write`,
     read with :meth:`read` (f32), so every reader sees one rounding. ``entry_of`` [num_slots] int64
     slot -> entry; ``owner`` [E + 1] entry -> slot (-1 free); ``stamp`` [E + 1] the clock of last
-    use. Eviction (LRU, never a pinned entry or one used at the current clock) runs only when the
-    free list is empty.
+    use; ``interior`` [E + 1] entries :meth:`demote` d. Eviction runs only when the free list is empty:
+    never a pinned entry or one used at the current clock; interior entries first, then the other
+    window entries, then those of kept slots, each oldest first.
     """
 
     def __init__(self, num_slots: int, num_entries: int, num_layers: int, num_heads: int, head_dim: int,
@@ -173,6 +174,10 @@ class ExactStore:
         self.kept = torch.zeros(num_slots, dtype=torch.uint8, device=device)
         self.owner = torch.full((E + 1,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.zeros(E + 1, dtype=torch.int64, device=device)
+        # an entry its request's extend left behind (outside its sink and its next query's window):
+        # it serves only a later match ending near it, so it is evicted before the sink and tail
+        # that a match of the whole cached sequence (or of its prompt) needs
+        self.interior = torch.zeros(E + 1, dtype=torch.bool, device=device)
         self.clock = 1
         self._free = torch.arange(E, 0, -1, dtype=torch.int64, device=device)  # pop from the end
         self._nfree = E
@@ -180,7 +185,8 @@ class ExactStore:
 
     def nbytes(self) -> int:
         t = sum(x.numel() * x.element_size() for x in self.k + self.v + (self.k_scale or []) + (self.v_scale or []))
-        return t + sum(x.numel() * 8 for x in (self.entry_of, self.owner, self.stamp, self._free)) + self.kept.numel()
+        return (t + sum(x.numel() * 8 for x in (self.entry_of, self.owner, self.stamp, self._free)) + self.kept.numel()
+                + self.interior.numel())
 
     # ---- contents ------------------------------------------------------------------------
     def held(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,6 +238,11 @@ class ExactStore:
         e = self.entry_of[slots]
         self.stamp[e[e > 0]] = self.clock
 
+    def demote(self, slots: torch.Tensor) -> None:
+        """Mark the entries of ``slots`` interior (evicted first; see ``interior``) until rewritten."""
+        e = self.entry_of[slots]
+        self.interior[e[e > 0]] = True
+
     def release_slots(self, slots: torch.Tensor) -> None:
         """Drop the entries of ``slots`` (freed, or rewritten outside every window)."""
         e = self.entry_of[slots]
@@ -263,6 +274,7 @@ class ExactStore:
             self.owner[new] = s
         ent = torch.where(keep, self.entry_of[slots], torch.zeros_like(old))
         self.stamp[ent[keep]] = self.clock
+        self.interior[ent[keep]] = False
         return ent
 
     def _pop(self, n: int) -> torch.Tensor:
@@ -276,6 +288,7 @@ class ExactStore:
             raise RuntimeError("tasq: exact store free list overflow (an entry was released twice)")
         self._free[self._nfree: self._nfree + n] = e
         self._nfree += n
+        self.interior[e] = False
 
     def _evict(self, n: int, pinned, protect: torch.Tensor) -> None:
         E = self.capacity
@@ -292,9 +305,14 @@ class ExactStore:
             raise ExactStoreFull(
                 f"tasq: the full-precision window store ({E} entries) is full: {n} more needed, "
                 f"{cand.numel()} evictable; raise SGLANG_TASQ_WINDOW_ROWS or lower --max-running-requests")
-        # oldest first; evict a little more than needed so eviction does not run every step
-        take = min(cand.numel(), max(n, E // 16))
-        order = torch.argsort(self.stamp[cand], stable=True)
+        # interior entries, then the other window entries, then those of kept (salient) slots
+        # (paid for per slot; losing one cuts every cached prefix that holds it), each oldest first;
+        # evict a little more than needed (never an extra kept one) so that eviction does not run
+        # every step
+        kept = (self.kept[self.owner[cand]] > 0).to(torch.int64)
+        rank = torch.where(kept > 0, 2, torch.where(self.interior[cand], 0, 1))
+        take = max(n, min(E // 16, cand.numel() - int(kept.sum())))
+        order = torch.argsort(self.stamp[cand] + rank * (self.clock + 1), stable=True)
         victims = cand[order[:take]]
         self.entry_of[self.owner[victims]] = 0
         self.owner[victims] = -1

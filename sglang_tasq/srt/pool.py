@@ -211,6 +211,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         for row, P, S in zip(req_rows, prefix_lens, seq_lens):
             lo = max(0, P + 1 - recent)
             self._live[int(row)] = (lo, S)
+            if S - P > 1:  # an extend: the prefix tokens it moves out of the next query's window
+                self.exact.demote(r2t[row, max(sink, lo): max(sink, min(P, S + 1 - recent))].to(torch.int64))
             if P == 0:
                 continue
             need = torch.cat([r2t[row, : min(sink, P)], r2t[row, max(lo, min(sink, P)): P]]).to(torch.int64)
@@ -285,6 +287,12 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             keep = torch.ones_like(keep)
         slots = unwrap_write_loc(loc)[0].to(torch.int64)
         ent = self.exact.assign(slots, keep, self.pinned_slots)
+        if self.salient is not None:  # new tokens already outside their request's next window
+            cfg = self.tasq_config
+            S = torch.as_tensor(seq_lens, device=positions.device)
+            out = (positions >= cfg.sink_window) & (positions < S + 1 - cfg.recent_window)
+            if bool(out.any()):
+                self.exact.demote(slots[out.to(slots.device)])
         return ent, torch.zeros_like(ent), torch.where(keep, positions, -1)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, positions=None, req_rows=None,

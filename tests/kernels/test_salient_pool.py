@@ -19,7 +19,7 @@ RECENT = BLOCK + sal.ECHO_WINDOW // 2 + 1  # the smallest recent window the bloc
 T = 130
 
 
-def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16"):
+def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16", forward_tokens=None):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from _pools import make_pool
@@ -29,7 +29,7 @@ def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16"):
                      salient_budget=budget, salient_block=BLOCK, salient_layer=DECIDE, salient_after=2,
                      exact_format=exact_format)
     cb = random_codebooks(LAYERS, H, D, config=cfg, seed=3)
-    pool = make_pool(cb, size=size, window_rows=rows)
+    pool = make_pool(cb, size=size, window_rows=rows, forward_tokens=forward_tokens)
     r2t = ReqToTokenPool(size=rows, max_context_len=256, device="cpu", enable_memory_saver=False)
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
     be_k, be_t = TaSQAttnBackend(runner), TaSQAttnBackend(runner)
@@ -241,3 +241,38 @@ def test_the_tree_slots_adopt_a_recompute_s_kept_flags():
     pool.adopt_entries(fresh, canon)
     assert torch.equal(pool.exact.kept[canon], pool.exact.kept[fresh])
     assert bool((pool.exact.entry_of[canon[pool.exact.kept[canon] > 0]] > 0).all())
+
+
+def test_a_finished_prompt_stays_matchable_while_later_requests_fill_the_store():
+    """Every new token holds an entry until its block is decided, and a non-kept one keeps it
+    (LRU) after its request moved on. When later requests fill the store, eviction takes those
+    interior entries (left behind by an extend) before the sink and prompt tail a warm match of a
+    finished prompt needs, and the entries of kept slots last: the prompt is matched whole."""
+    pool, r2t, be_k, be_t, cb = _setup(forward_tokens=64)
+    st = pool.exact
+    data = _data(seed=4)
+    free = list(range(1, 600))
+    row = r2t.alloc_rows(1)[0]
+    first = Runner(pool, r2t, be_k, row, free)
+    for n in (37, 50, 43):
+        first.forward(n, data)
+    for _ in range(2):
+        first.forward(1, data, decode=True)
+    prompt = r2t.req_to_token[row, :T].to(torch.int64)
+    kept = st.kept[prompt] > 0
+    interior = torch.zeros(T, dtype=torch.bool)
+    interior[SINK: T + 1 - RECENT] = True  # out of the next query's window after the last chunk
+    interior &= ~kept
+    assert bool((st.entry_of[prompt] > 0).all())  # every token still has its entry
+    assert torch.equal(st.interior[st.entry_of[prompt]] & ~kept, interior)  # demoted by the extends only
+    r2t.free_rows([row])
+    for seed in (5, 6, 7):  # three more requests, one at a time, through the same store
+        row = r2t.alloc_rows(1)[0]
+        other = Runner(pool, r2t, be_k, row, free)
+        for n in (37, 50, 43):
+            other.forward(n, _data(seed=seed))
+        r2t.free_rows([row])
+    assert st.evictions > 0 and st.used() <= st.capacity
+    assert bool((st.entry_of[prompt[interior]] == 0).any())  # the store ran full: interiors went
+    assert bool((st.entry_of[prompt[~interior]] > 0).all())  # sink, tail and kept slots stayed
+    assert pool.valid_prefix(prompt) == T

@@ -221,6 +221,33 @@ def test_eviction_takes_a_batch_oldest_first():
     _check_consistent(st)
 
 
+def test_eviction_spares_kept_slots_while_anything_else_is_evictable():
+    """Salient tokens: the entries of kept slots are paid for per slot and losing one cuts every
+    cached prefix holding it, so an eviction takes window entries (even newer ones) first, and
+    kept ones only when nothing else is left."""
+    E = 32
+    st = _store(E=E, slots=200)
+    for i in range(E):  # slot i stamped at clock 1 + i
+        st.assign(torch.tensor([i]), torch.tensor([True]))
+        st.tick()
+    st.kept[torch.arange(0, 16)] = 1  # the 16 oldest are kept (salient)
+    new = st.assign(torch.tensor([150, 151, 152]), torch.ones(3, dtype=torch.bool))
+    # max(3, E // 16 = 2) = 3 evicted: the oldest three that are not kept (slots 16..18)
+    assert bool((new > 0).all()) and st.evictions == 3
+    assert bool((st.entry_of[:16] > 0).all()) and st.entry_of[16:19].tolist() == [0, 0, 0]
+    assert bool((st.entry_of[19:E] > 0).all())
+    _check_consistent(st)
+    # the batch's extra never reaches a kept entry: 13 window entries left, 14 needed -> the 13,
+    # then the oldest kept one
+    st.kept[torch.tensor([150, 151, 152])] = 1
+    st.tick()
+    st.assign(torch.arange(160, 174), torch.ones(14, dtype=torch.bool))
+    assert st.evictions == 3 + 14
+    assert int(st.entry_of[0]) == 0 and bool((st.entry_of[1:16] > 0).all())
+    assert bool((st.entry_of[16:E] == 0).all())
+    _check_consistent(st)
+
+
 def test_free_list_overflow_is_refused():
     st = _store(E=2)
     e = st.assign(torch.tensor([1]), torch.tensor([True]))
@@ -340,7 +367,7 @@ def test_salient_entries_and_cell_bytes():
     assert store_bytes(sal, 3, 64, 30, 4, 1280) == store_bytes(plain, 3, 64, 30, 4) + 1024 * entry_bytes(3, 64, 30)
     # fp8 copies (exact_format): an entry holds 1-byte codes and an fp16 scale per (layer, side, head)
     sal8 = TaSQConfig(salient_budget=36, salient_block=192, salient_layer=17, exact_format="fp8")
-    assert entry_bytes(3, 64, 30, "fp8") == 2 * 3 * 66 * 30 + 24 and entry_bytes(3, 64, 30) == 2 * 3 * 128 * 30 + 24
+    assert entry_bytes(3, 64, 30, "fp8") == 2 * 3 * 66 * 30 + 25 and entry_bytes(3, 64, 30) == 2 * 3 * 128 * 30 + 25
     extra8 = -(-36 * entry_bytes(3, 64, 30, "fp8") // 192) + 2 * 54 + 1
     assert cell_bytes(sal8, 3, 64, 30) == cell_bytes(plain, 3, 64, 30) + extra8 < cell_bytes(sal, 3, 64, 30)
     assert store_bytes(sal8, 3, 64, 30, 4) == (4 * (64 + 512) + 1) * entry_bytes(3, 64, 30, "fp8") - 8

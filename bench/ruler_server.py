@@ -8,7 +8,9 @@ the decode view's samples (:func:`bench.ruler._samples`: same builder, same seed
 ``/v1/completions``, greedy, with the decode view's ``max_tokens``, 4 requests in flight. Once
 every first ("cold") answer is in, every sample is sent a second time ("warm"): the radix cache
 then holds the prompts, so the second pass reads a radix-shared prefix (the server reports how
-many prompt tokens it took from the cache).
+many prompt tokens it took from the cache). A TaSQ server's exact store keeps room for the sink and
+recent window of :data:`CACHED_WINDOWS` finished prompts (``SGLANG_TASQ_CACHED_WINDOWS``), as
+``--mem-fraction-static`` leaves bf16's pool room for every prompt of a pass.
 
 Per task: the score of both passes, the fraction of samples whose two answers are identical
 (the TaSQ server's promise: the same request gets the same tokens whatever the cache state) and,
@@ -41,9 +43,13 @@ CHUNK = 256
 CONCURRENCY = 4
 MAX_RUNNING = 4
 MEM_FRACTION = 0.15  # bf16 at 1k: 64 prompts x ~1k tokens must stay in the radix cache for the warm pass
+# TaSQ: the exact store keeps room for the sink + recent window of this many finished prompts
+# (SGLANG_TASQ_CACHED_WINDOWS), so that a pass of up to 128 prompts can come back warm whole
+CACHED_WINDOWS = 128
 # what the server view's numbers depend on besides the suite's config (part of the run name)
 SERVER_KEY = {"chunked_prefill_size": CHUNK, "radix_cache": True, "max_running_requests": MAX_RUNNING,
-              "concurrency": CONCURRENCY, "mem_fraction_static": MEM_FRACTION, "passes": ["cold", "warm"]}
+              "concurrency": CONCURRENCY, "mem_fraction_static": MEM_FRACTION, "passes": ["cold", "warm"],
+              "cached_windows": CACHED_WINDOWS}
 SERVABLE = ("bf16 and plain calibrated TaSQ artifacts: tasq, its rate points tasq@..., tasq_tpN, and layer mixes "
             "BASE+HI@L... from one calibrate --mix-layers artifact")
 
@@ -121,7 +127,8 @@ def served(kind: str, model_dir, manifest, log_path: Path, timeout: float = 600,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"[ruler] server {kind}: {' '.join(cmd[2:])} (log {log_path})")
     with open(log_path, "w") as f:  # the plugin reads the artifact from --tasq-config only
-        proc = subprocess.Popen(cmd, env=child_env(drop=("SGLANG_TASQ_CONFIG",)), stdout=f, stderr=subprocess.STDOUT,
+        env = child_env(drop=("SGLANG_TASQ_CONFIG",), SGLANG_TASQ_CACHED_WINDOWS=str(CACHED_WINDOWS))
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     t0 = time.time()
     try:

@@ -8,6 +8,10 @@ Serving (:class:`ServeOptions`, parsed once per process by :meth:`ServeOptions.f
 - ``SGLANG_TASQ_WINDOW_ROWS``: how many requests the exact window store is sized for when
   ``--max-running-requests`` is not given (default 128); a larger explicit limit is refused.
   Inside the server the store is sized from the resolved ``--max-running-requests``.
+- ``SGLANG_TASQ_CACHED_WINDOWS``: finished sequences whose sink and recent window the exact
+  store keeps room for beyond the running requests (default 0), so that the radix cache can match
+  them whole later (a follow-up turn, the same prompt again); a match whose window entries were
+  evicted is cut there and the rest recomputed. Charged inside the KV budget.
 - ``SGLANG_TASQ_CPU_KERNELS``: ``0`` serves the CPU path with the plain-torch reference
   instead of the Numba kernels (default 1).
 - ``SGLANG_TASQ_CUDA_VIEW_TOKENS``: tokens of decoded keys the CUDA extend path materializes
@@ -34,6 +38,7 @@ from typing import Mapping, Optional
 
 ENV_CONFIG = "SGLANG_TASQ_CONFIG"
 ENV_WINDOW_ROWS = "SGLANG_TASQ_WINDOW_ROWS"
+ENV_CACHED_WINDOWS = "SGLANG_TASQ_CACHED_WINDOWS"
 ENV_CPU_KERNELS = "SGLANG_TASQ_CPU_KERNELS"
 ENV_CUDA_VIEW_TOKENS = "SGLANG_TASQ_CUDA_VIEW_TOKENS"
 ENV_PROFILE = "SGLANG_TASQ_PROFILE"
@@ -67,6 +72,8 @@ class ServeOptions:
 
     config_path: Optional[str] = None
     window_rows: Optional[int] = None
+    # finished sequences whose sink + recent window the store has room for (for radix matches)
+    cached_windows: int = 0
     cpu_kernels: bool = True
     cuda_view_tokens: int = DEFAULT_CUDA_VIEW_TOKENS
     # tokens one forward writes at most (chunked prefill size, else max prefill tokens): with
@@ -81,6 +88,7 @@ class ServeOptions:
             raise OptionError(f"tasq: {ENV_CPU_KERNELS}={kernels!r}: use 0 (plain torch) or 1 (Numba kernels)")
         return cls(config_path=config_path(env),
                    window_rows=_int(env, ENV_WINDOW_ROWS, None),
+                   cached_windows=_int(env, ENV_CACHED_WINDOWS, 0, minimum=0),
                    cpu_kernels=kernels != "0",
                    cuda_view_tokens=_int(env, ENV_CUDA_VIEW_TOKENS, DEFAULT_CUDA_VIEW_TOKENS))
 

@@ -76,13 +76,14 @@ def exact_prefix_limit(has_exact: torch.Tensor, sink: int, recent: int, kept: to
 SLOT_INDEX_BYTES = 8
 
 
-def store_entries(sink: int, recent: int, rows: int) -> int:
+def store_entries(sink: int, recent: int, rows: int, cached: int = 0) -> int:
     """Entries of the exact store for ``rows`` concurrently running requests: each needs its
     sink, its own recent window, and (during an extend) the recent tail of the prefix before
-    its chunk, so ``sink + 2 * recent``; 0 without windows."""
+    its chunk, so ``sink + 2 * recent``; plus ``sink + recent`` for each of ``cached`` finished
+    sequences whose windows it keeps for later radix matches; 0 without windows."""
     if sink + recent == 0:
         return 0
-    return max(1, int(rows)) * (sink + 2 * recent)
+    return max(1, int(rows)) * (sink + 2 * recent) + max(0, int(cached)) * (sink + recent)
 
 
 def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int, fmt: str = "bf16") -> int:
@@ -126,13 +127,15 @@ def cell_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int) -> int:
             + salient_bytes_per_token(cfg, num_kv_heads, head_dim, num_layers))
 
 
-def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int, forward_tokens: int = 0) -> int:
-    """Fixed bytes of the exact store for ``rows`` running requests (and, with salient tokens, the
+def store_bytes(cfg, num_kv_heads: int, head_dim: int, num_layers: int, rows: int, forward_tokens: int = 0,
+                cached: int = 0) -> int:
+    """Fixed bytes of the exact store for ``rows`` running requests and ``cached`` finished
+    sequences' windows (and, with salient tokens, the
     entries of one forward's new tokens; their per-slot share is charged per token slot by
     :func:`salient_bytes_per_token`): keys + values of every layer (``cfg.exact_format``) plus owner
     and stamp per entry, and its free list (the per-slot index is :data:`SLOT_INDEX_BYTES`, charged
     per slot)."""
-    E = store_entries(cfg.sink_window, cfg.recent_window, rows) + salient_entries(cfg, 0, forward_tokens)
+    E = store_entries(cfg.sink_window, cfg.recent_window, rows, cached) + salient_entries(cfg, 0, forward_tokens)
     return (E + 1) * entry_bytes(num_kv_heads, head_dim, num_layers, cfg.exact_format) - 8
 
 

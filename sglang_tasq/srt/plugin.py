@@ -187,7 +187,7 @@ def _after_pool_configurator_init(result, self, kvc, *args, **kwargs):
     fp = art.model
     opts = _served_options()
     extra = windows.store_bytes(art.config, fp.num_kv_heads, fp.head_dim, fp.num_layers, opts.rows(),
-                                opts.forward_tokens)
+                                opts.forward_tokens, opts.cached_windows)
     self._fixed_overhead_bytes = int(getattr(self, "_fixed_overhead_bytes", 0) or 0) + extra
     return None
 

@@ -99,7 +99,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.win_k = self.win_v = None
         self._live = {}  # request row -> (lo, kv length): positions < sink and in [lo, length) are pinned
         self._np = {}  # numpy views of long-lived buffers, made once here (never looked up by id())
-        E = windows.store_entries(cfg.sink_window, cfg.recent_window, self.options.rows())
+        E = windows.store_entries(cfg.sink_window, cfg.recent_window, self.options.rows(), self.options.cached_windows)
         # salient tokens (cfg.salient_budget, the streaming echo rule of sglang_tasq.salient)
         self.salient = cfg.salient_spec()
         self.echo_rows = None

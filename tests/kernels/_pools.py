@@ -9,17 +9,17 @@ import torch
 from sglang_tasq.options import ServeOptions
 
 
-def make_pool(cb, size: int = 96, window_rows: int = 4, cpu_kernels: bool = True, forward_tokens: int | None = None):
+def make_pool(cb, size: int = 96, window_rows: int = 4, cpu_kernels: bool = True, **options):
     """A ``TaSQTokenToKVPool`` of ``size`` slots for codebooks ``cb`` (its layers, heads, head_dim);
-    ``forward_tokens``: the most tokens one forward writes (``ServeOptions``; its default if None)."""
+    ``options``: further ``ServeOptions`` fields (``forward_tokens``, ``cached_windows``; their
+    defaults when None or absent)."""
     from sglang_tasq.srt.pool import TaSQTokenToKVPool
 
     art = types.SimpleNamespace(codebooks=cb, config=cb.config)
     return TaSQTokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, head_num=cb.num_kv_heads,
                              head_dim=cb.head_dim, layer_num=cb.num_layers, device="cpu", enable_memory_saver=False,
                              artifact=art, options=ServeOptions(window_rows=window_rows, cpu_kernels=cpu_kernels,
-                                                                 **({} if forward_tokens is None else
-                                                                    {"forward_tokens": forward_tokens})))
+                                                                 **{k: v for k, v in options.items() if v is not None}))
 
 
 def make_request_rows(rows: int, max_context_len: int = 64):

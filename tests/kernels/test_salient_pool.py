@@ -2,7 +2,9 @@
 sglang_tasq.salient): the kept slots are the reference's decision over the window echo of the
 exact keys, the same whether a prompt comes in one chunk or several or shares a radix prefix,
 layers from the deciding one read them exactly (extend and decode, kernel and torch), and a radix
-match is cut before a kept slot whose exact entry is gone."""
+match is cut before a kept slot whose exact entry is gone. Also the store's room for finished
+sequences' windows (with and without salient tokens): what a later radix match of a prompt needs
+outlives the requests after it."""
 import types
 
 import pytest
@@ -19,7 +21,7 @@ RECENT = BLOCK + sal.ECHO_WINDOW // 2 + 1  # the smallest recent window the bloc
 T = 130
 
 
-def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16", forward_tokens=None):
+def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16", forward_tokens=None, cached_windows=None):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from _pools import make_pool
@@ -29,7 +31,7 @@ def _setup(budget=BUDGET, rows=3, size=600, exact_format="bf16", forward_tokens=
                      salient_budget=budget, salient_block=BLOCK, salient_layer=DECIDE, salient_after=2,
                      exact_format=exact_format)
     cb = random_codebooks(LAYERS, H, D, config=cfg, seed=3)
-    pool = make_pool(cb, size=size, window_rows=rows, forward_tokens=forward_tokens)
+    pool = make_pool(cb, size=size, window_rows=rows, forward_tokens=forward_tokens, cached_windows=cached_windows)
     r2t = ReqToTokenPool(size=rows, max_context_len=256, device="cpu", enable_memory_saver=False)
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=pool)
     be_k, be_t = TaSQAttnBackend(runner), TaSQAttnBackend(runner)
@@ -276,3 +278,33 @@ def test_a_finished_prompt_stays_matchable_while_later_requests_fill_the_store()
     assert bool((st.entry_of[prompt[interior]] == 0).any())  # the store ran full: interiors went
     assert bool((st.entry_of[prompt[~interior]] > 0).all())  # sink, tail and kept slots stayed
     assert pool.valid_prefix(prompt) == T
+
+
+@pytest.mark.parametrize("cached", [0, 2])
+def test_cached_windows_keep_a_finished_prompt_matchable_without_salient_tokens(cached):
+    """Plain windows: the store holds the windows of its running rows plus ``cached`` finished
+    sequences' (``SGLANG_TASQ_CACHED_WINDOWS``). With room for them, a prompt that finished before
+    another request ran is matched whole; without, its windows were evicted and the match is cut
+    (recomputed, never read from codes)."""
+    pool, r2t, be_k, be_t, cb = _setup(budget=0, rows=1, cached_windows=cached)
+    st = pool.exact
+    assert st.capacity == (SINK + 2 * RECENT) + cached * (SINK + RECENT)
+    free = list(range(1, 600))
+    row = r2t.alloc_rows(1)[0]
+    first = Runner(pool, r2t, be_k, row, free)
+    for n in (37, 50, 43):
+        first.forward(n, _data(seed=8))
+    for _ in range(2):
+        first.forward(1, _data(seed=8), decode=True)
+    prompt = r2t.req_to_token[row, :T].to(torch.int64)
+    assert pool.valid_prefix(prompt) == T
+    r2t.free_rows([row])
+    row = r2t.alloc_rows(1)[0]
+    other = Runner(pool, r2t, be_k, row, free)
+    for n in (37, 50, 43):
+        other.forward(n, _data(seed=9), other=be_t)
+    assert st.evictions > 0
+    if cached:
+        assert pool.valid_prefix(prompt) == T
+    else:
+        assert pool.valid_prefix(prompt) < SINK + RECENT

@@ -411,3 +411,23 @@ def test_exact_store_holds_fp8_copies_with_a_scale_per_head():
     assert bf.nbytes() - st.nbytes() == 2 * 2 * 5 * 3 * (16 * 2 - 16 - 2)  # layers x sides x entries x heads
     with pytest.raises(ValueError, match="exact store format 'fp4'"):
         ExactStore(8, 4, 1, 1, 2, fmt="fp4")
+
+
+def test_cached_windows_are_sized_and_charged():
+    """``SGLANG_TASQ_CACHED_WINDOWS``: room for finished sequences' sink + recent window, on top
+    of the running rows', in the entries and in the fixed bytes charged to the KV budget."""
+    from sglang_tasq.config import TaSQConfig
+    from sglang_tasq.options import OptionError, ServeOptions
+    from sglang_tasq.windows import entry_bytes, store_bytes, store_entries
+
+    assert store_entries(64, 256, 4) == 4 * 576 and store_entries(64, 256, 4, cached=10) == 4 * 576 + 10 * 320
+    assert store_entries(0, 0, 4, cached=10) == 0
+    cfg = TaSQConfig()
+    extra = store_bytes(cfg, 3, 64, 30, 4, cached=10) - store_bytes(cfg, 3, 64, 30, 4)
+    assert extra == 10 * (cfg.sink_window + cfg.recent_window) * entry_bytes(3, 64, 30)
+    assert ServeOptions.from_env({}).cached_windows == 0
+    assert ServeOptions.from_env({"SGLANG_TASQ_CACHED_WINDOWS": "64"}).cached_windows == 64
+    with pytest.raises(OptionError, match=r"SGLANG_TASQ_CACHED_WINDOWS=-1 must be >= 0"):
+        ServeOptions.from_env({"SGLANG_TASQ_CACHED_WINDOWS": "-1"})
+    with pytest.raises(OptionError, match=r"SGLANG_TASQ_CACHED_WINDOWS='many' is not an integer"):
+        ServeOptions.from_env({"SGLANG_TASQ_CACHED_WINDOWS": "many"})

@@ -98,6 +98,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.exact = None
         self.win_k = self.win_v = None
         self._live = {}  # request row -> (lo, kv length): positions < sink and in [lo, length) are pinned
+        self._matched = {}  # request row -> the prefix its first forward found cached (radix match)
         self._np = {}  # numpy views of long-lived buffers, made once here (never looked up by id())
         E = windows.store_entries(cfg.sink_window, cfg.recent_window, self.options.rows(), self.options.cached_windows)
         # salient tokens (cfg.salient_budget, the streaming echo rule of sglang_tasq.salient)
@@ -164,18 +165,21 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         def on_alloc_rows(rows):
             for r in rows:
                 self._live[int(r)] = (0, 0)
+                self._matched.pop(int(r), None)
             if previous_alloc is not None:
                 previous_alloc(rows)
 
         def free_rows(rows):
             for r in rows:
                 self._live.pop(int(r), None)
+                self._matched.pop(int(r), None)
             return original_free(rows)
 
         original_clear = req_to_token_pool.clear
 
         def clear():
             self._live.clear()
+            self._matched.clear()
             return original_clear()
 
         req_to_token_pool._on_alloc_rows = on_alloc_rows
@@ -201,7 +205,11 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
 
     def begin_forward(self, req_rows, prefix_lens, seq_lens) -> None:
         """Per forward, before any write: pin each request's windows (prefix tail included) and
-        check that every exact entry its queries will read is present (never served from codes)."""
+        check that every exact entry its queries will read is present (never served from codes).
+        An extend demotes the entries of the tokens its request computed that leave its window
+        (:meth:`ExactStore.demote`: they serve only a later match ending inside them); the tail of
+        a matched prefix, a proven branch point, is restored and never demoted by the requests
+        that matched it."""
         if self.exact is None:
             return
         self.exact.tick()
@@ -211,8 +219,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         for row, P, S in zip(req_rows, prefix_lens, seq_lens):
             lo = max(0, P + 1 - recent)
             self._live[int(row)] = (lo, S)
-            if S - P > 1:  # an extend: the prefix tokens it moves out of the next query's window
-                self.exact.demote(r2t[row, max(sink, lo): max(sink, min(P, S + 1 - recent))].to(torch.int64))
+            first = int(row) not in self._matched
+            m = self._matched.setdefault(int(row), P)  # the first forward's prefix: a radix match
+            if S - P > 1:  # an extend: its own tokens it moves out of the next query's window
+                self.exact.demote(r2t[row, max(sink, lo, m): max(sink, min(P, S + 1 - recent))].to(torch.int64))
             if P == 0:
                 continue
             need = torch.cat([r2t[row, : min(sink, P)], r2t[row, max(lo, min(sink, P)): P]]).to(torch.int64)
@@ -225,6 +235,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                     f"window entries of its prefix (positions {miss[:8].tolist()}...); refusing to serve them "
                     f"from codes")
             self.exact.touch(need)
+            if first:
+                self.exact.interior[ent] = False
 
     def valid_prefix(self, slots: torch.Tensor) -> int:
         """Longest usable part of a matched prefix held in ``slots`` [P] (radix match hook)."""

@@ -308,3 +308,44 @@ def test_cached_windows_keep_a_finished_prompt_matchable_without_salient_tokens(
         assert pool.valid_prefix(prompt) == T
     else:
         assert pool.valid_prefix(prompt) < SINK + RECENT
+
+
+def test_a_matched_prefix_tail_is_a_branch_point_that_stays():
+    """A request that matched a cached prefix restores that prefix's tail (its first writer's
+    extends had demoted it) and never demotes it; only the tokens it computes itself are demoted
+    as they leave its window. Later requests filling the store leave both the branch point and
+    the first prompt's end matchable."""
+    pool, r2t, be_k, be_t, cb = _setup(forward_tokens=64)
+    st = pool.exact
+    data = _data(seed=10)
+    free = list(range(1, 600))
+    rows = r2t.alloc_rows(2)
+    first = Runner(pool, r2t, be_k, rows[0], free)
+    for n in (37, 50, 43):
+        first.forward(n, data)
+    a = r2t.req_to_token[rows[0], :T].to(torch.int64)
+    kept = st.kept[a] > 0
+    tail = torch.zeros(T, dtype=torch.bool)
+    tail[100 + 1 - RECENT: 100] = True  # what a query at position 100 reads exactly besides the sink
+    left = tail.clone()
+    left[T + 1 - RECENT:] = False  # out of the first request's last window
+    assert bool(left.any()) and bool(st.interior[st.entry_of[a[left & ~kept]]].all())  # demoted by its extends
+    second = Runner(pool, r2t, be_k, rows[1], free)
+    r2t.req_to_token[rows[1], :100] = r2t.req_to_token[rows[0], :100]
+    assert pool.valid_prefix(a[:100]) == 100
+    second.S = 100
+    second.forward(30, data, other=be_t)
+    second.forward(20, _data(n=T + 40, seed=11))
+    assert not bool(st.interior[st.entry_of[a[tail]]].any())  # restored, and not demoted again
+    b = r2t.req_to_token[rows[1], 100:150].to(torch.int64)
+    own = torch.arange(100, 150) < 150 + 1 - RECENT
+    assert bool(st.interior[st.entry_of[b[own & (st.kept[b] == 0)]]].all())  # its own tokens: demoted
+    r2t.free_rows(rows)
+    for seed in (12, 13, 14):
+        row = r2t.alloc_rows(1)[0]
+        other = Runner(pool, r2t, be_k, row, free)
+        for n in (37, 50, 43):
+            other.forward(n, _data(seed=seed))
+        r2t.free_rows([row])
+    assert st.evictions > 0
+    assert pool.valid_prefix(a[:100]) == 100 and pool.valid_prefix(a) == T

@@ -49,9 +49,10 @@ from .serving_report import hardware, merge_best, to_markdown, write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "serving"
-# tasq_salient: --salient-config's artifact (salient tokens); tasq_salient8: --salient8-config's (salient
-# tokens and fp8 exact copies: calibrate serving --exact fp8), both with --salient-chunk
-SERVERS = ("bf16", "fp8", "tasq", "tasq_salient", "tasq_salient8")
+# tasq8: --tasq8-config's artifact (TaSQ with fp8 window copies: calibrate serving --exact fp8);
+# tasq_salient: --salient-config's (salient tokens); tasq_salient8: --salient8-config's (salient
+# tokens and fp8 exact copies), both with --salient-chunk
+SERVERS = ("bf16", "fp8", "tasq", "tasq8", "tasq_salient", "tasq_salient8")
 SALIENT_SERVERS = ("tasq_salient", "tasq_salient8")
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
 DATASET = "random-ids (range ratio 1.0, seed 1)"
@@ -72,17 +73,17 @@ PRESETS = {
 
 
 def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int, salient: Path | None = None,
-             forward_tokens: int = 0, salient8: Path | None = None) -> dict:
+             forward_tokens: int = 0, salient8: Path | None = None, tasq8: Path | None = None) -> dict:
     """{server: (bytes per token slot, fixed bytes)}, the numbers SGLang's pool sizing uses
-    (``salient``/``salient8``: the tasq_salient / tasq_salient8 servers' artifacts; ``forward_tokens``:
-    their chunked prefill size)."""
+    (``salient``/``salient8``/``tasq8``: the tasq_salient / tasq_salient8 / tasq8 servers' artifacts;
+    ``forward_tokens``: the salient servers' chunked prefill size)."""
     fp = fingerprint(model_config_dict(str(model_dir)))
     bf16 = fp.num_kv_heads * 2 * fp.head_dim * fp.num_layers * 2
     cells = {"bf16": (bf16, 0), "fp8": (bf16 // 2, 0)}
     from sglang_tasq.artifact import load_artifact
     from sglang_tasq.windows import cell_bytes, store_bytes
 
-    for name, path in (("tasq", manifest), ("tasq_salient", salient), ("tasq_salient8", salient8)):
+    for name, path in (("tasq", manifest), ("tasq8", tasq8), ("tasq_salient", salient), ("tasq_salient8", salient8)):
         if path is not None:
             cfg = load_artifact(path).config
             cells[name] = (cell_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers),
@@ -110,7 +111,7 @@ def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None)
     if name in SALIENT_SERVERS:
         art = a.salient_config if name == "tasq_salient" else a.salient8_config
         return cmd + ["--tasq-config", str(art), "--chunked-prefill-size", str(a.salient_chunk)]
-    return cmd + ["--tasq-config", str(a.tasq_config)]
+    return cmd + ["--tasq-config", str(a.tasq8_config if name == "tasq8" else a.tasq_config)]
 
 
 PEAK_KEYS = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "token_usage")
@@ -242,6 +243,8 @@ def workload_key(a) -> dict:
     not part of their key (a later run adds servers to the same folder)."""
     key = {k: getattr(a, k) for k in KEY_FIELDS}
     key.update(model=a.model, dataset=DATASET, artifact=artifact_id(a.tasq_config))
+    if "tasq8" in a.servers:
+        key.update(tasq8_artifact=artifact_id(a.tasq8_config))
     if "tasq_salient" in a.servers:
         key.update(salient_artifact=artifact_id(a.salient_config), salient_chunk=a.salient_chunk)
     if "tasq_salient8" in a.servers:
@@ -306,6 +309,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tasq-config", type=Path, default=None,
                     help="TaSQ artifact (default: the first of %s that exists)" % [str(p.relative_to(ROOT)) for p in DEFAULT_ARTIFACTS])
+    ap.add_argument("--tasq8-config", type=Path, default=None,
+                    help="the tasq8 server's artifact (calibrate serving ... --exact fp8, no salient tokens)")
     ap.add_argument("--salient-config", type=Path, default=None,
                     help="the tasq_salient server's artifact (calibrate serving --salient ...)")
     ap.add_argument("--salient8-config", type=Path, default=None,
@@ -344,6 +349,13 @@ def parse_args(argv=None):
     a.salient_chunk = a.salient_chunk or a.input_len
     if "tasq_salient" in a.servers and (a.salient_config is None or not Path(a.salient_config).is_file()):
         ap.error("tasq_salient needs --salient-config PATH (an artifact with salient tokens: calibrate serving --salient)")
+    if "tasq8" in a.servers:
+        if a.tasq8_config is None or not Path(a.tasq8_config).is_file():
+            ap.error("tasq8 needs --tasq8-config PATH (calibrate serving ART --out DIR --exact fp8)")
+        cfg = json.loads(Path(a.tasq8_config).read_text()).get("config", {})
+        if cfg.get("exact_format") != "fp8" or cfg.get("salient_budget"):
+            ap.error(f"--tasq8-config {a.tasq8_config}: an artifact with fp8 exact copies and no salient tokens is "
+                     "needed (calibrate serving ART --out DIR --exact fp8)")
     if "tasq_salient8" in a.servers:
         if a.salient8_config is None or not Path(a.salient8_config).is_file():
             ap.error("tasq_salient8 needs --salient8-config PATH (calibrate serving --salient ... --exact fp8)")
@@ -367,7 +379,8 @@ def main(argv=None, *, launch=run_servers) -> int:
     model_dir = resolve_model(a.model)
     cells = kv_cells(model_dir, a.tasq_config if "tasq" in a.servers else None, a.window_rows,
                      a.salient_config if "tasq_salient" in a.servers else None, a.salient_chunk,
-                     a.salient8_config if "tasq_salient8" in a.servers else None)
+                     a.salient8_config if "tasq_salient8" in a.servers else None,
+                     a.tasq8_config if "tasq8" in a.servers else None)
     budget = int(a.kv_budget_mib * 2**20)
     a.run_dir.mkdir(parents=True, exist_ok=True)
     art = os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None

@@ -90,7 +90,7 @@ def test_server_cmd_per_kind(tmp_path, artifact):
 def test_salient_servers_take_their_artifacts(tmp_path, smol, artifact):
     """tasq_salient and tasq_salient8 (fp8 exact copies) serve their own artifacts with the salient
     chunk; the fp8 one's slots are the smaller (kv_cells = the pool's sizing); an artifact without
-    fp8 copies is refused for tasq_salient8."""
+    fp8 copies is refused for tasq_salient8. tasq8 (fp8 window copies, no salient tokens) likewise."""
     import subprocess
     import sys
 
@@ -115,6 +115,20 @@ def test_salient_servers_take_their_artifacts(tmp_path, smol, artifact):
     assert cells["tasq_salient8"][1] < cells["tasq_salient"][1] / 1.8  # the fixed store, halved
     with pytest.raises(SystemExit):
         serving.parse_args(argv[:5] + ["--salient8-config", str(paths["sal"])])
+    # tasq8: plain TaSQ with fp8 window copies; its fixed store halves, its slots stay TaSQ's
+    subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out",
+                    str(tmp_path / "x8"), "--exact", "fp8"], check=True, capture_output=True)
+    x8 = tmp_path / "x8" / "tasq.json"
+    b = serving.parse_args(["--quick", "--servers", "tasq", "tasq8", "--tasq-config", str(artifact),
+                            "--tasq8-config", str(x8), "--out", str(tmp_path / "run8")])
+    cmd = serving.server_cmd("tasq8", Path("/m"), 1234, b, 1000)
+    assert cmd[cmd.index("--tasq-config") + 1] == str(x8) and "--chunked-prefill-size" not in cmd
+    cells = serving.kv_cells(smol, artifact, b.window_rows, tasq8=x8)
+    assert cells["tasq8"][0] == cells["tasq"][0] and cells["tasq8"][1] < cells["tasq"][1] / 1.8
+    assert serving.workload_key(b)["tasq8_artifact"] == serving.artifact_id(x8)
+    for wrong in (paths["sal8"], artifact):  # salient tokens, or bf16 copies
+        with pytest.raises(SystemExit):
+            serving.parse_args(["--quick", "--servers", "tasq8", "--tasq8-config", str(wrong)])
 
 
 def test_scan_peaks_keeps_maxima():

@@ -221,8 +221,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self._live[int(row)] = (lo, S)
             first = int(row) not in self._matched
             m = self._matched.setdefault(int(row), P)  # the first forward's prefix: a radix match
-            if S - P > 1:  # an extend: its own tokens it moves out of the next query's window
-                self.exact.demote(r2t[row, max(sink, lo, m): max(sink, min(P, S + 1 - recent))].to(torch.int64))
+            if S - P > 1:  # an extend: its own tokens it moves out of its last query's window (what a
+                # later match of this very prefix reads: SGLang recomputes the last token of a match)
+                self.exact.demote(r2t[row, max(sink, P - recent, m): max(sink, min(P, S - recent))].to(torch.int64))
             if P == 0:
                 continue
             need = torch.cat([r2t[row, : min(sink, P)], r2t[row, max(lo, min(sink, P)): P]]).to(torch.int64)
@@ -299,10 +300,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             keep = torch.ones_like(keep)
         slots = unwrap_write_loc(loc)[0].to(torch.int64)
         ent = self.exact.assign(slots, keep, self.pinned_slots)
-        if self.salient is not None:  # new tokens already outside their request's next window
+        if self.salient is not None:  # new tokens already outside their forward's last query's window
             cfg = self.tasq_config
             S = torch.as_tensor(seq_lens, device=positions.device)
-            out = (positions >= cfg.sink_window) & (positions < S + 1 - cfg.recent_window)
+            out = (positions >= cfg.sink_window) & (positions < S - cfg.recent_window)
             if bool(out.any()):
                 self.exact.demote(slots[out.to(slots.device)])
         return ent, torch.zeros_like(ent), torch.where(keep, positions, -1)

@@ -263,10 +263,11 @@ def test_a_finished_prompt_stays_matchable_while_later_requests_fill_the_store()
     prompt = r2t.req_to_token[row, :T].to(torch.int64)
     kept = st.kept[prompt] > 0
     interior = torch.zeros(T, dtype=torch.bool)
-    interior[SINK: T + 1 - RECENT] = True  # out of the next query's window after the last chunk
+    interior[SINK: T - RECENT] = True  # out of the last prompt query's window
     interior &= ~kept
     assert bool((st.entry_of[prompt] > 0).all())  # every token still has its entry
-    assert torch.equal(st.interior[st.entry_of[prompt]] & ~kept, interior)  # demoted by the extends only
+    got = st.interior[st.entry_of[prompt]] & ~kept
+    assert torch.equal(got, interior), torch.nonzero(got != interior).flatten().tolist()  # demoted by the extends only
     r2t.free_rows([row])
     for seed in (5, 6, 7):  # three more requests, one at a time, through the same store
         row = r2t.alloc_rows(1)[0]
@@ -277,7 +278,8 @@ def test_a_finished_prompt_stays_matchable_while_later_requests_fill_the_store()
     assert st.evictions > 0 and st.used() <= st.capacity
     assert bool((st.entry_of[prompt[interior]] == 0).any())  # the store ran full: interiors went
     assert bool((st.entry_of[prompt[~interior]] > 0).all())  # sink, tail and kept slots stayed
-    assert pool.valid_prefix(prompt) == T
+    assert pool.valid_prefix(prompt[:T - 1]) == T - 1  # the same prompt again: its last token recomputed
+    assert pool.valid_prefix(prompt) == T  # a follow-up after the prompt
 
 
 @pytest.mark.parametrize("cached", [0, 2])
@@ -305,7 +307,7 @@ def test_cached_windows_keep_a_finished_prompt_matchable_without_salient_tokens(
         other.forward(n, _data(seed=9), other=be_t)
     assert st.evictions > 0
     if cached:
-        assert pool.valid_prefix(prompt) == T
+        assert pool.valid_prefix(prompt[:T - 1]) == T - 1 and pool.valid_prefix(prompt) == T
     else:
         assert pool.valid_prefix(prompt) < SINK + RECENT
 
@@ -328,7 +330,7 @@ def test_a_matched_prefix_tail_is_a_branch_point_that_stays():
     tail = torch.zeros(T, dtype=torch.bool)
     tail[100 + 1 - RECENT: 100] = True  # what a query at position 100 reads exactly besides the sink
     left = tail.clone()
-    left[T + 1 - RECENT:] = False  # out of the first request's last window
+    left[T - RECENT:] = False  # out of the first request's last window
     assert bool(left.any()) and bool(st.interior[st.entry_of[a[left & ~kept]]].all())  # demoted by its extends
     second = Runner(pool, r2t, be_k, rows[1], free)
     r2t.req_to_token[rows[1], :100] = r2t.req_to_token[rows[0], :100]
@@ -338,7 +340,7 @@ def test_a_matched_prefix_tail_is_a_branch_point_that_stays():
     second.forward(20, _data(n=T + 40, seed=11))
     assert not bool(st.interior[st.entry_of[a[tail]]].any())  # restored, and not demoted again
     b = r2t.req_to_token[rows[1], 100:150].to(torch.int64)
-    own = torch.arange(100, 150) < 150 + 1 - RECENT
+    own = torch.arange(100, 150) < 150 - RECENT
     assert bool(st.interior[st.entry_of[b[own & (st.kept[b] == 0)]]].all())  # its own tokens: demoted
     r2t.free_rows(rows)
     for seed in (12, 13, 14):
@@ -348,4 +350,4 @@ def test_a_matched_prefix_tail_is_a_branch_point_that_stays():
             other.forward(n, _data(seed=seed))
         r2t.free_rows([row])
     assert st.evictions > 0
-    assert pool.valid_prefix(a[:100]) == 100 and pool.valid_prefix(a) == T
+    assert pool.valid_prefix(a[:100]) == 100 and pool.valid_prefix(a[:T - 1]) == T - 1

@@ -15,8 +15,11 @@ SGLang shares through its radix cache: a slot's entry is shared with every reque
 prefix holds that slot, exactly like its codes. Entries are made when a token is written
 inside the window of the forward that writes it, refreshed whenever a slot is rewritten (so a
 reused slot never serves an old token's values), pinned while a live request's window
-covers them, and otherwise kept in LRU order so that a later request matching the prefix
-finds its sink and the tail before its match boundary. A prefix match is only accepted up to
+covers them, and otherwise kept so that a later request matching the prefix finds its sink and
+the tail before its match boundary: when the store is full it evicts first the entries an extend
+left behind (:meth:`ExactStore.demote`: they serve only a match ending inside that prompt), then
+the other window entries, then the salient tokens' (each oldest first); its room for finished
+sequences is ``SGLANG_TASQ_CACHED_WINDOWS`` (:func:`store_entries`). A prefix match is only accepted up to
 the longest boundary whose window entries are all present (:func:`exact_prefix_limit`); the
 rest is recomputed, never read from codes.
 """

@@ -244,10 +244,11 @@ class ExactStore:
         e = self.entry_of[slots]
         self.stamp[e[e > 0]] = self.clock
 
-    def demote(self, slots: torch.Tensor) -> None:
-        """Mark the entries of ``slots`` interior (evicted first; see ``interior``) until rewritten."""
+    def demote(self, slots: torch.Tensor, interior: bool = True) -> None:
+        """Mark the entries of ``slots`` interior (evicted first; see ``interior``) until rewritten,
+        or (``interior=False``) restore them to the other window entries."""
         e = self.entry_of[slots]
-        self.interior[e[e > 0]] = True
+        self.interior[e[e > 0]] = interior
 
     def release_slots(self, slots: torch.Tensor) -> None:
         """Drop the entries of ``slots`` (freed, or rewritten outside every window)."""

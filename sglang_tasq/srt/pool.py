@@ -237,7 +237,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                     f"from codes")
             self.exact.touch(need)
             if first:
-                self.exact.interior[ent] = False
+                self.exact.demote(need, interior=False)
 
     def valid_prefix(self, slots: torch.Tensor) -> int:
         """Longest usable part of a matched prefix held in ``slots`` [P] (radix match hook)."""

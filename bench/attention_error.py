@@ -52,19 +52,21 @@ class ProbeCache(QuantizedKVCache):
         self.exact: dict = {}  # layer -> {"k": buf, "v": buf} [1, H, cap, d]
         self.n_exact: dict = {}
 
-    def _held(self, name: str, x: torch.Tensor, T0: int) -> torch.Tensor:
+    def _held(self, name: str, x: torch.Tensor, T0: int, layer: int) -> torch.Tensor:
         from sglang_tasq.hf.cache import held_copies
 
         if self.side == "bf16":
             return x
-        return held_copies(x, T0, self.side, self.method.keys if name == "k" else None)
+        side = self.layers[layer].sides[name]  # the quantizer and state that coded these tokens
+        return held_copies(x, T0, self.side, side.q if name == "k" else None, coder=side.q, layer=layer,
+                           state=side.state)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         kq, vq = super().update(key_states, value_states, layer_idx)
         T0, n = self.n_exact.get(layer_idx, 0), key_states.shape[2]
         bufs = self.exact.setdefault(layer_idx, {})
         for name, x in (("k", key_states), ("v", value_states)):
-            x = self._held(name, x, T0)
+            x = self._held(name, x, T0, layer_idx)
             buf = bufs.get(name)
             if buf is None or buf.shape[2] < T0 + n:
                 new = x.new_empty((*x.shape[:2], max(2 * T0, T0 + n, 64), x.shape[3]))

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
             f"{config['model_dtype']} model\n\nRuns: " + ", ".join(f"`{d}`" for d in a.retrieval)
             + (f"; quality: `{a.quality}`" if a.quality else "") + f"\n\nIntervals: {stats.DESCRIPTION}, stratified "
             "by task. Bits all-in at each length's mean prompt: codes and scales + the windows' and kept tokens' "
-            "copies (16-bit; for `:x8` points fp8 with a scale per token and head, 8.25 bits at d = 64).\n\n"
+            "copies (16-bit; for `:x8` points fp8 with a scale per token and head, 8.25 bits at d = 64; for `:r4` a 4-bit residual over the codes with a scale per token and head, 4.25).\n\n"
             + md + "\n" + verdict + "\n")
     print(text)
     if a.out:

@@ -32,11 +32,14 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[/N[Ll]][aN][e|b]][:later|:first]``
   the question-last prompts (the same needles, haystacks and keys, sample by sample).
 * ``x8``: the exact copies (windows and kept tokens) held as fp8 e4m3 with an fp16 scale per
   (token, KV head) (:func:`sglang_tasq.salient.fp8_rows`; keys pre-RoPE) instead of bf16: 8.25
-  bits per element at d = 64 instead of 16. A decode-view measurement: the server holds bf16.
+  bits per element at d = 64 instead of 16 (served: ``calibrate serving --exact fp8``).
+* ``r4``: each exact copy held as the token's own codes plus a 4-bit residual with an fp16 scale
+  per (token, KV head) (:func:`sglang_tasq.salient.res4_rows`): 4.25 bits per element on top of
+  the codes, which are counted as codes. A decode-view measurement.
 
 Bits all-in, per element, averaged over keys and values at the measured mean prompt length T:
 the codes' bits (scales included) + the windows' copies ``min(sink + recent, T) / T * 16`` (8.25
-for ``x8``) + the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
+for ``x8``, 4.25 for ``r4``) + the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
 
 Every (point, length) is one item JSON under the run folder, named by the model, preset, samples
 and tasks (resumable; several processes may fill one folder with different points; an artifact
@@ -65,7 +68,8 @@ from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
 _POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:/(?P<blk>\d+)(?:L(?P<lay>\d+))?)?(?:a(?P<a>\d+))?(?P<e>[eb])?)?"
-                    r"(?::(?P<x>x8))?(?::(?P<q>later|first))?$")
+                    r"(?::(?P<x>x8|r4))?(?::(?P<q>later|first))?$")
+_SIDES = {None: "bf16", "x8": "fp8", "r4": "res4"}  # point suffix -> how the exact copies are held
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,13 @@ class Point:
     rule: str = "obs"
     block: int | None = None
     layer: int = 0
-    side: str = "bf16"  # how the exact copies (windows, kept tokens) are held: bf16, or fp8 (":x8")
+    side: str = "bf16"  # how the exact copies (windows, kept tokens) are held: bf16, fp8 (":x8"), res4 (":r4")
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:x8][:later|:first], "
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:x8|:r4][:later|:first], "
                              "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")
@@ -96,7 +100,7 @@ class Point:
         after = None if m["a"] is None else int(m["a"])
         point = cls(m["m"], sink, recent, int(m["b"] or 0), m["q"] == "later", m["kind"] == "S", after,
                     m["q"] == "first", {"e": "echo", "b": "both"}.get(m["e"], "obs"),
-                    None if m["blk"] is None else int(m["blk"]), int(m["lay"] or 0), "fp8" if m["x"] else "bf16")
+                    None if m["blk"] is None else int(m["blk"]), int(m["lay"] or 0), _SIDES[m["x"]])
         if point.block is not None:
             try:
                 point.salient().check_windows(point.sink, point.recent)
@@ -120,7 +124,7 @@ class Point:
         w = "none" if self.sink + self.recent == 0 else f"{self.sink}+{self.recent}"
         return f"{self.method}:{w}" + (f":{'S' if self.shared else 's'}{self.budget}" + (f"/{self.block}" + (f"L{self.layer}" if self.layer else "") if self.block else "") + (f"a{self.after}" if self.after is not None else "")
                 + {"obs": "", "echo": "e", "both": "b"}[self.rule] if self.budget else "") \
-            + (":x8" if self.side == "fp8" else "") + self.order_suffix
+            + {v: f":{k}" for k, v in _SIDES.items() if k}.get(self.side, "") + self.order_suffix
 
     @property
     def slug(self) -> str:

@@ -282,15 +282,20 @@ def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SIDE_FORMATS = EXACT_FORMATS  # how the exact copies (windows, kept tokens) are held
+#: how the exact copies (windows, kept tokens) are held: the served formats, and "res4" (the
+#: token's own codes plus a 4-bit residual: :func:`res4_encode`; measured in the decode view)
+SIDE_FORMATS = (*EXACT_FORMATS, "res4")
+RESIDUAL_FORMATS = ("res4",)  # formats that complete the token's codes (they need its quantizer)
+RES4_MAX = 7  # a residual element is a multiple of scale in [-7, 7], held as a nibble 1..15
 
 
 def copy_bits(side: str, head_dim: int) -> float:
-    """Bits per element of one exact copy: bf16, or fp8 e4m3 with an fp16 scale per (token, KV
-    head) (:func:`fp8_rows`)."""
+    """Bits per element of one exact copy: bf16, fp8 e4m3 with an fp16 scale per (token, KV
+    head) (:func:`fp8_rows`), or a 4-bit residual over the token's codes with an fp16 scale per
+    (token, KV head) (:func:`res4_rows`; the codes are counted as codes)."""
     if side not in SIDE_FORMATS:
         raise ValueError(f"side format {side!r}: allowed {SIDE_FORMATS}")
-    return 16.0 if side == "bf16" else 8 + 16 / head_dim
+    return {"bf16": 16.0, "fp8": 8 + 16 / head_dim, "res4": 4 + 16 / head_dim}[side]
 
 
 def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,6 +326,30 @@ def fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., d] -> x held as fp8 e4m3 with one fp16 scale per row (absmax / 448), read back
     in x's dtype: what an fp8 side buffer returns (:func:`fp8_encode`, :func:`fp8_decode`)."""
     return fp8_decode(*fp8_encode(x)).to(x.dtype)
+
+
+def res4_encode(x: torch.Tensor, coded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] and its codes' reading ``coded`` [..., d] (d even) -> (nibbles [..., d/2]
+    uint8, scale [...] fp16): the residual ``x - coded`` rounded to a multiple of scale =
+    absmax / 7 per row, each element as the nibble ``q + 8`` (1..15); channel ``2i`` in the low
+    nibble of byte ``i``, ``2i + 1`` in the high one. The row reads back as ``coded + (nibble - 8)
+    x scale`` (:func:`res4_decode`): what the codes missed, at 4.25 bits per element on top of them."""
+    r = x.float() - coded.float()
+    scale = (r.abs().amax(-1) / RES4_MAX).clamp_min(2 ** -24).to(torch.float16)
+    q = (r / scale.float()[..., None]).round().clamp(-RES4_MAX, RES4_MAX).to(torch.int32) + 8
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8), scale
+
+
+def res4_decode(nibbles: torch.Tensor, scale: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """(nibbles, scale) of :func:`res4_encode` and the same codes' reading -> [..., d] f32."""
+    b = nibbles.to(torch.int32)
+    q = torch.stack([b & 15, b >> 4], -1).flatten(-2) - 8
+    return coded.float() + q.float() * scale.float()[..., None]
+
+
+def res4_rows(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """x [..., d] as a res4 side buffer returns it (codes + 4-bit residual), in x's dtype."""
+    return res4_decode(*res4_encode(x, coded), coded).to(x.dtype)
 
 
 def side_bits(budget: int, T: int, head_dim: int, side: str = "bf16") -> float:

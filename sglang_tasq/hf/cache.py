@@ -158,22 +158,41 @@ def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq, scaling: f
     return rotate(k.float(), cos, sin, inverse=True)
 
 
-def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQuantizer | None = None) -> torch.Tensor:
+def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQuantizer | None = None,
+                coder: SideQuantizer | None = None, layer: int = 0, state: dict | None = None) -> torch.Tensor:
     """New tokens x [B, H, n, d] at positions T0.. as an exact side buffer of ``exact_format`` holds
     them, in x's dtype: None keeps x; "bf16" rounds it to bf16; "fp8" holds each (token, head) row
-    as fp8 e4m3 with an fp16 scale (:func:`salient.fp8_rows`). Keys (``keys`` given: the method's
-    key quantizer) are held pre-RoPE, as the serving pool stores them, when the method codes them so."""
+    as fp8 e4m3 with an fp16 scale (:func:`salient.fp8_rows`); "res4" as the token's codes plus a
+    4-bit residual (:func:`salient.res4_rows`: ``coder``, the side's quantizer, gives the codes'
+    reading, at ``layer`` with ``state``). Keys (``keys`` given: the method's key quantizer) are held
+    pre-RoPE, as the serving pool stores them, when the method codes them so."""
     if exact_format is None:
         return x
     sal.copy_bits(exact_format, x.shape[-1])  # a bad format fails here
-    hold = (lambda t: t.to(torch.bfloat16).float()) if exact_format == "bf16" else sal.fp8_rows
-    if keys is None or not getattr(keys, "pre_rope", False):
-        return hold(x.float()).to(x.dtype)
+    if exact_format in sal.RESIDUAL_FORMATS:
+        if coder is None or coder.exact or coder.block != 1 or getattr(coder, "positional", False):
+            raise ValueError(f"exact_format={exact_format!r} completes each token's own codes: it needs a "
+                             f"quantizer that codes tokens one by one (got {getattr(coder, 'name', None)!r})")
+        st = {} if state is None else state
+
+        def hold(t):  # t [n, H, d]: as the side codes it (pre-RoPE keys where it codes those)
+            return sal.res4_rows(t, coder.decode(coder.encode(t, layer, st), layer, st))
+    elif exact_format == "bf16":
+        def hold(t):
+            return t.to(torch.bfloat16).float()
+    else:
+        hold = sal.fp8_rows
+    rope = keys is not None and getattr(keys, "pre_rope", False)
     pos = torch.arange(T0, T0 + x.shape[2], device=x.device)
     out = torch.empty_like(x)
     for b in range(x.shape[0]):
-        pre = unrotate_keys(x[b].transpose(0, 1), pos, keys.inv_freq, keys.attention_scaling)
-        out[b] = apply_rope(hold(pre), pos, keys.inv_freq, keys.attention_scaling).transpose(0, 1).to(x.dtype)
+        t = x[b].transpose(0, 1).float()  # [n, H, d]
+        if rope:
+            t = unrotate_keys(t, pos, keys.inv_freq, keys.attention_scaling)
+        t = hold(t)
+        if rope:
+            t = apply_rope(t, pos, keys.inv_freq, keys.attention_scaling)
+        out[b] = t.transpose(0, 1).to(x.dtype)
     return out
 
 
@@ -252,8 +271,10 @@ class QuantizedKVLayer(DynamicLayer):
             self._encode(name, side, T1)
         fmt = self.cache.exact_format
         if fmt is not None:  # ... then hold the exact copies as the server's store does
-            self.bufs["k"][:, :, T0:T1] = held_copies(key_states, T0, fmt, self.sides["k"].q)
-            self.bufs["v"][:, :, T0:T1] = held_copies(value_states, T0, fmt)
+            for name, x in (("k", key_states), ("v", value_states)):
+                side = self.sides[name]
+                self.bufs[name][:, :, T0:T1] = held_copies(x, T0, fmt, side.q if name == "k" else None,
+                                                           coder=side.q, layer=self.layer_idx, state=side.state)
         if self.cache.salient_state is not None:  # echo of the new tokens; decisions at the deciding layer
             self.cache.salient_state.step(self, T0, T1)
         for name, side in self.sides.items():  # ... decode on leaving windows

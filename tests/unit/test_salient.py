@@ -458,6 +458,24 @@ def test_fp8_side_copies():
         sal.copy_bits("int4", 64)
 
 
+def test_res4_side_copies():
+    """res4 rows: the codes' reading plus the residual rounded to a multiple of absmax / 7 per row
+    (error <= half a step), packed two nibbles a byte (channel 2i low); 4.25 bits per element."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 2, 50)[:, None, None]
+    coded = x + 0.3 * x.abs().mean() * torch.randn(50, 3, 64, generator=g)
+    nib, scale = sal.res4_encode(x, coded)
+    assert nib.shape == (50, 3, 32) and nib.dtype == torch.uint8 and scale.dtype == torch.float16
+    y = sal.res4_decode(nib, scale, coded)
+    assert float(((y - x).abs() - 0.5 * scale.float()[..., None] * (1 + 2 ** -8)).max()) <= 1e-5
+    q = (((x - coded) / scale.float()[..., None]).round().clamp(-7, 7) + 8).to(torch.uint8)  # the nibbles, by hand
+    assert torch.equal(nib & 15, q[..., 0::2]) and torch.equal(nib >> 4, q[..., 1::2])
+    assert torch.equal(sal.res4_rows(coded, coded), coded)  # nothing missed: the codes' reading
+    assert sal.copy_bits("res4", 64) == 4.25
+    x8 = sal.fp8_rows(x)
+    assert float((y - x).norm()) < float((coded - x).norm()) / 8 and float((x8 - x).norm()) < float((coded - x).norm())
+
+
 def test_summary_pairs_points_over_the_same_samples():
     def item(name, scores):
         preds = [{"task": t, "index": i, "length": 1000, "gold": ["x"], "pred": "x" if s else "y"}
@@ -529,3 +547,34 @@ def test_decode_view_fp8_side_buffer(model, method):
     assert not torch.equal(held, exact) and torch.allclose(held, exact, atol=0.05 * float(exact.abs().max()))
     with pytest.raises(ValueError, match="side format"):
         ae.ProbeCache(method, "int4")
+
+
+def test_decode_view_res4_side_buffer(model, method):
+    """ProbeCache(side="res4") holds each copy as the token's own codes (the cache's quantizer)
+    plus a 4-bit residual, keys in their pre-RoPE form: nearer the exact copies than the codes."""
+    ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(3))
+    cache16, cache4 = ae.ProbeCache(method, "bf16"), ae.ProbeCache(method, "res4")
+    with torch.no_grad():
+        for c in (cache16, cache4):
+            with ae.active(ae.Probe(c, 1000, 0)):
+                model(ids[None], past_key_values=c)
+    k16, v16 = cache16.exact_kv(0)
+    k4, v4 = cache4.exact_kv(0)
+    coded_v = method.values.decode(method.values.encode(v16[0].transpose(0, 1).float(), 0, {}), 0, {})
+    assert torch.allclose(v4[0].transpose(0, 1).float(), sal.res4_rows(v16[0].transpose(0, 1).float(), coded_v), atol=1e-2)
+    keys = method.keys
+    pre = unrotate_keys(k16[0].transpose(0, 1).float(), torch.arange(40), keys.inv_freq, keys.attention_scaling)
+    coded_k = keys.decode(keys.encode(pre, 0, {}), 0, {})
+    want = apply_rope(sal.res4_rows(pre, coded_k), torch.arange(40), keys.inv_freq, keys.attention_scaling)
+    assert torch.allclose(k4[0].transpose(0, 1).float(), want, atol=2e-2)
+    for got, exact, coded in ((k4, k16, apply_rope(coded_k, torch.arange(40), keys.inv_freq, keys.attention_scaling)),
+                              (v4, v16, coded_v)):
+        e = exact[0].transpose(0, 1).float()
+        assert float((got[0].transpose(0, 1).float() - e).norm()) < float((coded - e).norm()) / 4
+    from sglang_tasq.hf.baselines import baseline
+    from sglang_tasq.hf.cache import held_copies
+
+    x = torch.randn(1, 2, 32, 16)
+    for coder in (None, baseline("kivi2").keys, baseline("bf16").values):  # no codes, codes in blocks, exact
+        with pytest.raises(ValueError, match="completes each token's own codes"):
+            held_copies(x, 0, "res4", coder=coder)

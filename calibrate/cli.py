@@ -129,8 +129,9 @@ def summary_lines(manifest: dict) -> list[str]:
         f"windows      sink {manifest['windows']['sink']} + recent {manifest['windows']['recent']} tokens full precision"
         + (f"; salient tokens: {c['salient_budget']} of every {c['salient_block']} kept exact, decided at layer "
            f"{c['salient_layer']} (echo rule, pooled {c['salient_after']} ahead)" if c.get("salient_budget") else "")
-        + ("; exact copies held as fp8 (e4m3, fp16 scale per token and KV head)"
-           if c.get("exact_format", "bf16") == "fp8" else ""),
+        + {"fp8": "; exact copies held as fp8 (e4m3, fp16 scale per token and KV head)",
+           "res4": "; exact copies held as codes + a 4-bit residual (fp16 scale per token and KV head)"}.get(
+               c.get("exact_format", "bf16"), ""),
         f"calibration  {cal['corpus']}: {cal['tokens']:,} tokens ({cal.get('fisher_tokens', 0):,} with Fisher), "
         f"seed {cal['seed']}, {cal.get('model_dtype', 'bfloat16')} model, {cal['wall_time_s']:.0f} s",
     ]
@@ -244,9 +245,11 @@ def cmd_serving(argv) -> int:
                     help="keep KEPT of every BLOCK tokens exact, chosen by the streaming echo rule and read exactly "
                          "from layer LAYER on (issue 14; e.g. 36/192@17), or none")
     ap.add_argument("--salient-after", type=int, help="pool the echo this many positions forward (default 12)")
-    ap.add_argument("--exact", choices=("bf16", "fp8"),
-                    help="how the server holds its exact copies (windows, salient tokens): bf16, or fp8 e4m3 with "
-                         "an fp16 scale per token and KV head (8.25 bits per element at head_dim 64)")
+    ap.add_argument("--exact", choices=("bf16", "fp8", "res4"),
+                    help="how the server holds its exact copies (windows, salient tokens): bf16, fp8 e4m3 with "
+                         "an fp16 scale per token and KV head (8.25 bits per element at head_dim 64), or res4: "
+                         "the token's codes plus a 4-bit residual with an fp16 scale per token and KV head (4.25 "
+                         "bits per element over the codes)")
     a = ap.parse_args(argv)
     from sglang_tasq.artifact import ArtifactError, load_artifact, save_artifact
 

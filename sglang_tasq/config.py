@@ -27,9 +27,10 @@ GROUPINGS = ("covariance", "contiguous", "channels", "stratified")
 KEY_ROPES = ("pre", "post")
 # "tree": the two-level fit of artifacts made before the flat Lloyd (recorded, no longer fitted)
 KMEANS = ("flat", "tree")
-# how the exact copies (windows, salient tokens) are held: bf16, or fp8 e4m3 + an fp16 scale per
-# (token, KV head)
-EXACT_FORMATS = ("bf16", "fp8")
+# how the exact copies (windows, salient tokens) are held: bf16, fp8 e4m3 + an fp16 scale per
+# (token, KV head), or res4: the token's own codes + a 4-bit residual with an fp16 scale per
+# (token, KV head) (sglang_tasq.salient.res4_encode)
+EXACT_FORMATS = ("bf16", "fp8", "res4")
 ABLATIONS = ("no_weighting", "no_shared_scale", "no_grouping", "no_fisher", "dense_weighting")
 # the rates a user picks by name (``calibrate --rate``): name -> (group_size_k, codebook_size_k,
 # group_size_v, codebook_size_v); the name is about the mean code bits per element of keys and
@@ -95,8 +96,10 @@ class TaSQConfig:
     salient_block: int = 192
     salient_layer: int = 0
     salient_after: int = 12
-    # how the server holds its exact copies (windows, salient tokens): "bf16", or "fp8" (e4m3 with
-    # one fp16 scale per (token, KV head), keys pre-RoPE: sglang_tasq.salient.fp8_encode)
+    # how the server holds its exact copies (windows, salient tokens): "bf16", "fp8" (e4m3 with
+    # one fp16 scale per (token, KV head), keys pre-RoPE: sglang_tasq.salient.fp8_encode), or
+    # "res4" (what the token's codes miss, as 4-bit steps of an fp16 scale per (token, KV head):
+    # sglang_tasq.salient.res4_encode; read as codes + residual)
     exact_format: str = "bf16"
 
     def __post_init__(self) -> None:

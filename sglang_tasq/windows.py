@@ -90,9 +90,11 @@ def store_entries(sink: int, recent: int, rows: int, cached: int = 0) -> int:
 
 
 def entry_bytes(num_kv_heads: int, head_dim: int, num_layers: int, fmt: str = "bf16") -> int:
-    """Bytes of one exact-store entry: keys + values of every layer (bf16; or fp8 with an fp16
-    scale per KV head, ``fmt="fp8"``), owner, stamp, free list (8 bytes each), interior flag."""
-    row = num_kv_heads * head_dim * 2 if fmt == "bf16" else num_kv_heads * (head_dim + 2)
+    """Bytes of one exact-store entry: keys + values of every layer (bf16; fp8 with an fp16 scale
+    per KV head, ``fmt="fp8"``; two 4-bit residuals a byte with an fp16 scale per KV head,
+    ``fmt="res4"``), owner, stamp, free list (8 bytes each), interior flag."""
+    row = {"bf16": num_kv_heads * head_dim * 2, "fp8": num_kv_heads * (head_dim + 2),
+           "res4": num_kv_heads * (head_dim // 2 + 2)}[fmt]
     return 2 * row * num_layers + 25
 
 
@@ -151,7 +153,11 @@ class ExactStore:
 
     ``k[l]``, ``v[l]``: [E + 1, H, d] (keys pre-RoPE): bf16, or with ``fmt="fp8"`` uint8
     float8_e4m3fn bits with one fp16 scale per (entry, KV head) in ``k_scale[l]``/``v_scale[l]``
-    [E + 1, H] (:func:`sglang_tasq.salient.fp8_encode`; None for bf16). Write with :meth:`write`,
+    [E + 1, H] (:func:`sglang_tasq.salient.fp8_encode`; None for bf16), or with ``fmt="res4"``
+    [E + 1, H, d / 2] uint8 nibbles of the residual over the slot's own codes, with their scales
+    likewise (:func:`sglang_tasq.salient.res4_encode`): writing and reading such an entry needs
+    what the slot's codes read as, ``coded(layer, slots) -> (pre-RoPE keys, values) [n, H, d]
+    f32`` (the pool's reference decode). Write with :meth:`write`,
     read with :meth:`read` (f32), so every reader sees one rounding. ``entry_of`` [num_slots] int64
     slot -> entry; ``owner`` [E + 1] entry -> slot (-1 free); ``stamp`` [E + 1] the clock of last
     use; ``interior`` [E + 1] entries :meth:`demote` d. Eviction runs only when the free list is empty:
@@ -160,18 +166,21 @@ class ExactStore:
     """
 
     def __init__(self, num_slots: int, num_entries: int, num_layers: int, num_heads: int, head_dim: int,
-                 device="cpu", fmt: str = "bf16"):
+                 device="cpu", fmt: str = "bf16", coded=None):
         from .config import EXACT_FORMATS
 
         if fmt not in EXACT_FORMATS:
             raise ValueError(f"exact store format {fmt!r}: allowed {EXACT_FORMATS}")
+        if fmt == "res4" and coded is None:
+            raise ValueError("exact store format 'res4' holds residuals over the slots' codes: pass coded=")
         E = int(num_entries)
-        self.capacity, self.fmt = E, fmt
+        self.capacity, self.fmt, self.coded = E, fmt, coded
         dtype = torch.bfloat16 if fmt == "bf16" else torch.uint8
-        self.k = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(E + 1, num_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        width = head_dim // 2 if fmt == "res4" else head_dim
+        self.k = [torch.zeros(E + 1, num_heads, width, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(E + 1, num_heads, width, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_scale = self.v_scale = None
-        if fmt == "fp8":
+        if fmt != "bf16":
             self.k_scale, self.v_scale = ([torch.zeros(E + 1, num_heads, dtype=torch.float16, device=device)
                                            for _ in range(num_layers)] for _ in range(2))
         self.entry_of = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -195,40 +204,60 @@ class ExactStore:
                 + self.interior.numel())
 
     # ---- contents ------------------------------------------------------------------------
-    def held(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H, d] as this store returns it after a write (f32): one rounding for every reader."""
+    def held(self, x: torch.Tensor, coded: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H, d] as this store returns it after a write (f32): one rounding for every
+        reader (``fmt="res4"``: over ``coded``, what x's codes read as)."""
+        from .salient import fp8_decode, fp8_encode, res4_rows
+
         if self.fmt == "bf16":
             return x.to(torch.bfloat16).float()
-        from .salient import fp8_decode, fp8_encode
-
+        if self.fmt == "res4":
+            return res4_rows(x.float(), coded)
         return fp8_decode(*fp8_encode(x))
 
-    def write(self, layer: int, ent: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor) -> None:
-        """Store pre-RoPE keys and values [n, H, d] of local layer ``layer`` in entries ``ent`` [n] (> 0)."""
-        if self.fmt == "bf16":
-            self.k[layer][ent] = k_pre.to(self.k[layer].device, torch.bfloat16)
-            self.v[layer][ent] = v.to(self.v[layer].device, torch.bfloat16)
-            return
-        from .salient import fp8_encode
+    def write(self, layer: int, ent: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, coded=None) -> None:
+        """Store pre-RoPE keys and values [n, H, d] of local layer ``layer`` in entries ``ent`` [n]
+        (> 0; entry 0 is never read). ``fmt="res4"``: ``coded`` = what the tokens' codes read as
+        ((pre-RoPE keys, values) [n, H, d], the pool's decode of the codes just written)."""
+        from .salient import fp8_encode, res4_encode
 
         dev = self.k[layer].device
-        codes, scale = fp8_encode(torch.stack([k_pre.to(dev, torch.float32), v.to(dev, torch.float32)]))
-        self.k[layer][ent], self.v[layer][ent] = codes[0], codes[1]
-        self.k_scale[layer][ent], self.v_scale[layer][ent] = scale[0], scale[1]
+        if self.fmt == "bf16":
+            self.k[layer][ent] = k_pre.to(dev, torch.bfloat16)
+            self.v[layer][ent] = v.to(dev, torch.bfloat16)
+            return
+        if self.fmt == "res4":
+            if coded is None:
+                raise ValueError("a res4 store writes residuals over the tokens' codes: pass coded=")
+            (kn, ks), (vn, vs) = (res4_encode(x.to(dev, torch.float32), c.to(dev, torch.float32))
+                                  for x, c in ((k_pre, coded[0]), (v, coded[1])))
+        else:
+            codes, scale = fp8_encode(torch.stack([k_pre.to(dev, torch.float32), v.to(dev, torch.float32)]))
+            (kn, vn), (ks, vs) = codes, scale
+        self.k[layer][ent], self.v[layer][ent] = kn, vn
+        self.k_scale[layer][ent], self.v_scale[layer][ent] = ks, vs
 
     def read(self, layer: int, ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-RoPE keys, values) [n, H, d] f32 of entries ``ent`` [n] of local layer ``layer``."""
+        if self.fmt == "res4":
+            kc, vc = self.coded(layer, self.owner[ent])
+            return (self._read(self.k, self.k_scale, layer, ent, kc),
+                    self._read(self.v, self.v_scale, layer, ent, vc))
         return self.read_k(layer, ent), self._read(self.v, self.v_scale, layer, ent)
 
     def read_k(self, layer: int, ent: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys [n, H, d] f32 of entries ``ent`` of local layer ``layer``."""
+        if self.fmt == "res4":
+            return self.read(layer, ent)[0]
         return self._read(self.k, self.k_scale, layer, ent)
 
-    def _read(self, buf, sbuf, layer: int, ent: torch.Tensor) -> torch.Tensor:
+    def _read(self, buf, sbuf, layer: int, ent: torch.Tensor, coded=None) -> torch.Tensor:
+        from .salient import fp8_decode, res4_decode
+
         if self.fmt == "bf16":
             return buf[layer][ent].float()
-        from .salient import fp8_decode
-
+        if self.fmt == "res4":
+            return res4_decode(buf[layer][ent], sbuf[layer][ent], coded)
         return fp8_decode(buf[layer][ent], sbuf[layer][ent])
 
     def tick(self) -> None:

@@ -95,7 +95,10 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     [E + 1, 1, H, d]; :func:`_window_entry`) in native pair order (no permutation to
     gather): bf16 bits (uint16), or with a non-empty ``fp8_lut`` (float8_e4m3fn code -> f32,
     256 entries) fp8 codes (uint8) times the entry's fp16 scale per head (``win_ks``/``win_vs``
-    [E + 1, H], their bits). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
+    [E + 1, H], their bits), or with a 16-entry ``fp8_lut`` (nibble -> nibble - 8) a res4 entry:
+    the slot's own codes decoded (as outside the windows, in native order) plus the residual,
+    two nibbles a byte (channel ``2i`` low; ``win_k``/``win_v`` [E + 1, 1, H, d / 2]) times the
+    entry's scale (:func:`sglang_tasq.salient.res4_encode`). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
     fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
@@ -105,7 +108,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     n_scales = (kbuf.shape[1] - code_bytes_k) // 2  # a key row is codes ++ its fp16 scales
     hps = H // n_scales if n_scales > 0 else 1  # heads per scale (1 for per_head)
     P = d // 2
-    fp8 = fp8_lut.shape[0] > 0
+    fp8 = fp8_lut.shape[0] == 256
+    res4 = fp8_lut.shape[0] == 16
     # composed RoPE (the plan checked the table is one: cos_t[t] = m cos(t theta), sin_t[0] = 0):
     # position t of a split starting at t0 rotates by R_t = R_t0 R_(t - t0) / m, so the query
     # is turned back by R_t0 once per split and each key is rotated by a row of the first
@@ -139,10 +143,12 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         iwa = np.empty(P, np.float32)
         iwb = np.empty(P, np.float32)
         pidx = np.empty(P, np.int64)  # native RoPE pair of each permuted pair
+        pidb = np.empty(P, np.int64)  # native channel of each pair's second element (res4 entries)
         for j in range(Gk):
             for l in range(hg):
                 p = j * hg + l
                 pidx[p] = kperm[h, j * gk + l]
+                pidb[p] = kperm[h, j * gk + hg + l]
                 iwa[p] = np.float32(1.0) / kw[h, j * gk + l]
                 iwb[p] = np.float32(1.0) / kw[h, j * gk + hg + l]
                 c0 = np.float32(1.0)
@@ -166,18 +172,20 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         # prefetched (a layer's codebooks are not in cache: the loads of the passes below overlap)
         wid = np.empty(na, np.int64)
         sc = np.empty(na, np.float32)
+        sr = np.empty(na, np.float32)  # the key scale alone (res4 entries decode their codes in native units)
         zk = np.empty((na, Gk), np.int64)
         zv = np.empty((na, Gv), np.int64)
         for i in range(nt):
             slot = indices[beg + t_lo + i]
             w = _window_entry(entry_of, kept, slot, t_lo + i, S, sink, recent)
             wid[i] = w
-            if w < 0:
+            if w < 0 or res4:  # (a res4 entry completes its codes)
                 s = np.float32(1.0)
                 if scale_mode != 0:  # shared: head h reads its group's scale; per_head: its own
                     o = code_bytes_k + 2 * (h // hps)
                     s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
                 sc[i] = s * sm_scale
+                sr[i] = s
                 _codes_row(kbuf, slot, h * Gk, Gk, bits_k, zk, i)
                 _codes_row(vbuf, slot, h * Gv, Gv, bits_v, zv, i)
                 for j in range(Gk):
@@ -187,6 +195,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         logits = np.empty((rep, na), np.float32)
         ka = np.empty(P, np.float32)
         kb_ = np.empty(P, np.float32)
+        kn = np.empty(d, np.float32)
         ra = np.empty(P, np.float32)
         rb = np.empty(P, np.float32)
         # the codeword halves of a block of tokens staged first (vector copies when g = 8), read
@@ -196,7 +205,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         for i0 in range(0, nt, _KEY_BLOCK):
             i1 = min(nt, i0 + _KEY_BLOCK)
             for i in range(i0, i1):
-                if wid[i] >= 0:
+                if wid[i] >= 0 and not res4:
                     continue
                 if hg == 4:
                     for j in range(Gk):
@@ -213,7 +222,18 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                 t = t_lo + i
                 widx = wid[i]
                 if widx >= 0:  # exact entry: native pair order (contiguous halves and RoPE rows)
-                    if fp8:
+                    if res4:  # the slot's codes in native units and order, plus the residual
+                        u = i - i0
+                        sk = sr[i]
+                        for p in range(P):
+                            kn[pidx[p]] = KA[u, p] * iwa[p] * sk
+                            kn[pidb[p]] = KB[u, p] * iwb[p] * sk
+                        s8 = _half_bits_to_f32(win_ks[widx, h])
+                        for p in range(P):
+                            c2 = P + p
+                            ka[p] = kn[p] + fp8_lut[(win_k[widx, 0, h, p >> 1] >> ((p & 1) << 2)) & 15] * s8
+                            kb_[p] = kn[c2] + fp8_lut[(win_k[widx, 0, h, c2 >> 1] >> ((c2 & 1) << 2)) & 15] * s8
+                    elif fp8:
                         s8 = _half_bits_to_f32(win_ks[widx, h])
                         for p in range(P):
                             ka[p] = fp8_lut[win_k[widx, 0, h, p]] * s8
@@ -266,7 +286,15 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         vt = np.empty(d, np.float32)
         for i in range(nt):
             widx = wid[i]
-            if widx >= 0:
+            if widx >= 0 and res4:  # the value row's codewords plus the residual
+                for j in range(Gv):
+                    z = zv[i, j]
+                    for l in range(gv):
+                        vt[j * gv + l] = vcb[h, j, z, l]
+                s8 = _half_bits_to_f32(win_vs[widx, h])
+                for c in range(d):
+                    vt[c] += fp8_lut[(win_v[widx, 0, h, c >> 1] >> ((c & 1) << 2)) & 15] * s8
+            elif widx >= 0:
                 if fp8:
                     s8 = _half_bits_to_f32(win_vs[widx, h])
                     for c in range(d):

@@ -21,6 +21,9 @@ _NO_SCALES = np.zeros((1, 1), np.uint16)  # bf16 exact entries: no per-entry sca
 _NO_LUT = np.zeros(0, np.float32)  # ... and no fp8 code table
 # float8_e4m3fn code -> its value (the fp8 exact store's entries are code x fp16 scale)
 FP8_LUT = FP8_VALUES.numpy()
+# res4 nibble -> its step (nibble - 8): a res4 entry is the slot's codes + step x fp16 scale
+RES4_LUT = np.arange(16, dtype=np.float32) - np.float32(8)
+WIN_FORMATS = ("bf16", "fp8", "res4")
 SPLIT_TOKENS = 256  # positions per split-K range of the decode kernel
 ROPE_COMPOSE_TOL = 1e-3  # |table - composed| / m allowed where the decode kernel composes RoPE rows
 
@@ -140,7 +143,7 @@ class DecodePlan:
         self.composed = rope_composes(self.cos, self.sin, self.chunk, max_len)
 
     def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
-                 win_k=None, win_v=None, kept=None, win_scales=None) -> torch.Tensor:
+                 win_k=None, win_v=None, kept=None, win_scales=None, win_format: str | None = None) -> torch.Tensor:
         """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
         k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [E + 1, 1, H, d]
         bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views); kept: this
@@ -149,8 +152,16 @@ class DecodePlan:
         any position, besides the window (given per call: layers may differ; read through a
         view). None: none kept (the window rule alone); ignored without windows. win_scales: for
         an fp8 exact store (``config.exact_format``), (key scales, value scales) [E + 1, H] fp16
-        (or their uint16 numpy views), win_k/win_v then uint8 float8_e4m3fn codes.
+        (or their uint16 numpy views), win_k/win_v then uint8 float8_e4m3fn codes. win_format:
+        the store's ``exact_format`` ("bf16", "fp8" or "res4": win_k/win_v [E + 1, 1, H, d / 2]
+        uint8 residual nibbles over each slot's codes, with win_scales); None: fp8 with
+        win_scales, else bf16.
         -> [B, Hq, d] f32."""
+        fmt = win_format or ("fp8" if win_scales is not None else "bf16")
+        if fmt not in WIN_FORMATS:
+            raise ValueError(f"window entry format {fmt!r}: allowed {WIN_FORMATS}")
+        if (fmt != "bf16") != (win_scales is not None) and win_k is not None:
+            raise ValueError(f"{fmt} window entries {'need' if fmt != 'bf16' else 'take no'} win_scales")
         B, (Hq, H, d) = self.B, self.shape
         if tuple(q.shape) != (B, Hq, d):
             raise ValueError(f"decode plan: q has shape {tuple(q.shape)}, planned for {(B, Hq, d)}")
@@ -161,13 +172,15 @@ class DecodePlan:
         lut = _NO_LUT
         if win_k is None or not self.entry_of.shape[0]:
             wk = wv = _NO_RING[0]
-        elif win_scales is not None:
+        elif fmt != "bf16":
             for w in (win_k, win_v):
                 if isinstance(w, torch.Tensor) and w.dtype != torch.uint8:
-                    raise TypeError(f"fp8 window entries must be uint8 float8_e4m3fn codes, got {w.dtype}")
+                    raise TypeError(f"{fmt} window entries must be uint8 codes, got {w.dtype}")
+                if w.shape[-1] != (d // 2 if fmt == "res4" else d):
+                    raise ValueError(f"{fmt} window entries of width {w.shape[-1]} for head_dim {d}")
             wk, wv = _arr(win_k, torch.Tensor.numpy), _arr(win_v, torch.Tensor.numpy)
             wks, wvs = (_arr(t, _u16) for t in win_scales)
-            lut = FP8_LUT
+            lut = FP8_LUT if fmt == "fp8" else RES4_LUT
         else:
             for w in (win_k, win_v):
                 if isinstance(w, torch.Tensor) and w.dtype != torch.bfloat16:
@@ -213,7 +226,7 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
                      cos: torch.Tensor, sin: torch.Tensor, sm_scale: float,
                      entry_of: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
                      win_v: torch.Tensor | None = None, split_tokens: int | None = None,
-                     win_scales=None) -> torch.Tensor:
+                     win_scales=None, win_format: str | None = None) -> torch.Tensor:
     """Decode attention of one layer over packed codes, all requests in one call (a one-layer
     :class:`DecodePlan`; see it for the arguments; win_k/win_v [E + 1, H, d] or [E + 1, 1, H, d];
     win_scales: an fp8 store's (key, value) scales [E + 1, H]). Returns [B, Hq, d] f32."""
@@ -223,7 +236,7 @@ def decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
     if win_k is not None and win_k.dim() == 3:
         win_k, win_v = win_k.unsqueeze(1), win_v.unsqueeze(1)
     return plan(q, k_rows, v_rows, tables, sm_scale, win_k if entry_of is not None else None,
-                win_v if entry_of is not None else None, win_scales=win_scales)
+                win_v if entry_of is not None else None, win_scales=win_scales, win_format=win_format)
 
 
 class PoolEncoder:

@@ -170,12 +170,14 @@ def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQu
         return x
     sal.copy_bits(exact_format, x.shape[-1])  # a bad format fails here
     if exact_format in sal.RESIDUAL_FORMATS:
-        if coder is None or coder.exact or coder.block != 1 or getattr(coder, "positional", False):
+        if coder is None or coder.block != 1 or getattr(coder, "positional", False):
             raise ValueError(f"exact_format={exact_format!r} completes each token's own codes: it needs a "
                              f"quantizer that codes tokens one by one (got {getattr(coder, 'name', None)!r})")
         st = {} if state is None else state
 
         def hold(t):  # t [n, H, d]: as the side codes it (pre-RoPE keys where it codes those)
+            if coder.exact:  # a side kept as it is (keys=False / values=False): nothing to complete
+                return t
             return sal.res4_rows(t, coder.decode(coder.encode(t, layer, st), layer, st))
     elif exact_format == "bf16":
         def hold(t):
@@ -434,7 +436,7 @@ class TaSQCache(QuantizedKVCache):
     An artifact that keeps salient tokens (``config.salient_budget``) keeps them here too, by the
     same rule as the server: pass ``model=`` (the cache reads its queries), or ``salient=False``
     for the windows alone (an ablation, chosen by name: never a silent fallback). An artifact whose
-    server holds its exact copies as fp8 (``config.exact_format``) has them held so here too
+    server holds its exact copies as fp8 or res4 (``config.exact_format``) has them held so here too
     (``exact_format=`` overrides: None keeps the model's dtype)."""
 
     def __init__(self, codebooks: Codebooks, sink: int = 64, recent: int = 256, keys: bool = True,
@@ -452,7 +454,7 @@ class TaSQCache(QuantizedKVCache):
         method = KVMethod(TaSQKeys(codebooks) if keys else Identity(),
                           TaSQValues(codebooks) if values else Identity(), "tasq")
         if exact_format == "artifact":  # bf16 copies stay in the model's dtype (the cache's default)
-            exact_format = "fp8" if codebooks.config.exact_format == "fp8" else None
+            exact_format = codebooks.config.exact_format if codebooks.config.exact_format != "bf16" else None
         super().__init__(method, sink, recent, fresh_exact, salient=spec if use else None, model=model,
                          exact_format=exact_format)
         self.codebooks = codebooks

@@ -282,7 +282,8 @@ class TaSQAttnBackend(AttentionBackend):
         # the chunk's keys (and fp8 values) as the exact store keeps them (one rounding of the
         # pre-RoPE key): a window token reads the same whether this forward wrote it or an earlier
         # one (cold == warm)
-        k_ex[P:], v_ex[P:] = pool.as_stored(rotate(chunk[0], cos[P:], sin[P:], inverse=True), chunk[1])
+        k_ex[P:], v_ex[P:] = pool.as_stored(rotate(chunk[0], cos[P:], sin[P:], inverse=True), chunk[1],
+                                            coded=(k_dec[P:], v_dec[P:]))
         k_dec, k_ex = rotate(k_dec, cos, sin), rotate(k_ex, cos, sin)
         if kept is not None and bool(kept.any()):  # a kept token is exact for every query: its "codes" too
             k_dec[kept], v_dec[kept] = k_ex[kept], v_ex[kept]
@@ -312,7 +313,7 @@ class TaSQAttnBackend(AttentionBackend):
             kept = pool.exact.kept if pool.reads_kept(layer.layer_id) else None
             scales = (npv["wks"][lid], npv["wvs"][lid]) if npv["wks"] is not None else None
             return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling, npv["wk"][lid], npv["wv"][lid],
-                        kept=kept, win_scales=scales)
+                        kept=kept, win_scales=scales, win_format=pool.exact.fmt)
         return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling)
 
     def _cos_sin(self, n: int, device):

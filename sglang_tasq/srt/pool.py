@@ -111,8 +111,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                                              device=self.device)
         if self.window:
             with self.memory_saver_adapter.region("kv_cache"):
-                self.exact = windows.ExactStore(rows, E, self.layer_num, H, d, device=self.device,
-                                                fmt=cfg.exact_format)
+                # a res4 store reads its entries over the slots' codes (the reference decode)
+                self.exact = windows.ExactStore(
+                    rows, E, self.layer_num, H, d, device=self.device, fmt=cfg.exact_format,
+                    coded=lambda lid, slots: self.read_codes(lid + self.start_layer, slots))
             # [E + 1, 1, H, d] views: the kernels' (entry, index 0) addressing of the store
             self.win_k = [t.unsqueeze(1) for t in self.exact.k]
             self.win_v = [t.unsqueeze(1) for t in self.exact.v]
@@ -132,9 +134,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if str(self.device) == "cpu":
             from numba_kernels.fastpath import u16_view
 
-            # exact entries as the kernels read them: bf16 bits (uint16), or fp8 bits (uint8) and
-            # their fp16 scales' bits [E + 1, H]
-            view = (lambda t: t.numpy()) if cfg.exact_format == "fp8" else u16_view
+            # exact entries as the kernels read them: bf16 bits (uint16), or fp8 bits / res4
+            # nibbles (uint8) and their fp16 scales' bits [E + 1, H]
+            view = (lambda t: t.numpy()) if cfg.exact_format != "bf16" else u16_view
             self._np = {"k": [t.numpy() for t in self.k_buffer], "v": [t.numpy() for t in self.v_buffer],
                         "wk": [view(t) for t in self.win_k] if self.win_k else None,
                         "wv": [view(t) for t in self.win_v] if self.win_v else None,
@@ -331,7 +333,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             cos, sin = self.rope_table(int(positions.max()) + 1)
             _, _, cos_np, sin_np = self._rope
             wr = wi = None
-            if win_targets is not None:
+            res4 = self.exact is not None and self.exact.fmt == "res4"
+            if win_targets is not None and not res4:  # (res4 entries: written below, over the codes)
                 wr, wi, _ = win_targets
             scales = (self._np["wks"][lid], self._np["wvs"][lid]) if self._np["wks"] is not None else None
             done = self._encoder.encode_into(
@@ -340,6 +343,10 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                 self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None,
                 win_scales=scales if wr is not None else None)
             if done:
+                if res4 and win_targets is not None:
+                    k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling,
+                                       inverse=True)
+                    self.write_windows(lid, k_pre, cache_v.reshape(T, H, d), win_targets, loc)
                 return
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)
@@ -351,7 +358,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         krow = pack(k_codes.reshape(T, H * self.gk_of[lid]), self.bits_k_of[lid])
         vrow = pack(v_codes.reshape(T, H * self.gv), self.tasq_config.code_bits_v)
         self.write_rows(lid, loc, krow, k_scale, vrow)
-        self.write_windows(lid, k_pre, v, win_targets)
+        self.write_windows(lid, k_pre, v, win_targets, loc)
 
     def write_rows(self, lid: int, loc, k_packed, k_scale, v_packed) -> None:
         """Store packed key codes [T, Bk] (+ fp16 scales [T] / [T, H] or None) and packed value
@@ -362,22 +369,31 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.k_buffer[lid][loc] = k_packed.to(self.device)
         self.v_buffer[lid][loc] = v_packed.to(self.device)
 
-    def write_windows(self, lid: int, k_pre, v, win_targets) -> None:
+    def write_windows(self, lid: int, k_pre, v, win_targets, loc=None) -> None:
         """Copy the kept tokens among [T] new ones (pre-RoPE keys k_pre, values v [T, H, d]) into
-        their exact-store entries (``win_targets`` of :meth:`window_targets`)."""
+        their exact-store entries (``win_targets`` of :meth:`window_targets`). A res4 store keeps
+        what their codes miss: the codes must be written at slots ``loc`` [T] first."""
         if win_targets is None:
             return
         ent = win_targets[0]
         keep = ent > 0
         if bool(keep.any()):
-            self.exact.write(lid, ent[keep], k_pre[keep], v[keep])
+            coded = None
+            if self.exact.fmt == "res4":
+                coded = self.read_codes(lid + self.start_layer, loc.to(ent.device)[keep].to(torch.int64))
+            self.exact.write(lid, ent[keep], k_pre[keep], v[keep], coded)
 
-    def as_stored(self, k_pre: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def as_stored(self, k_pre: torch.Tensor, v: torch.Tensor, coded=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-RoPE keys, values) [T, H, d] f32 as the exact store returns them once written (its
-        one rounding: bf16 keys, values as given; fp8 keys and values), so an extend's own window
+        one rounding: bf16 keys, values as given; fp8 keys and values; res4: ``coded``, what their
+        codes read as (pre-RoPE keys, values), plus the residual), so an extend's own window
         tokens read the same as a later forward reads them from the store."""
         if self.exact is None or self.exact.fmt == "bf16":
             return k_pre.to(torch.bfloat16).float(), v.float()
+        if self.exact.fmt == "res4":
+            if coded is None:
+                raise ValueError("as_stored with a res4 store: pass coded= (the tokens' codes as read)")
+            return self.exact.held(k_pre, coded[0]), self.exact.held(v, coded[1])
         return self.exact.held(k_pre), self.exact.held(v)
 
     # ---- salient tokens ------------------------------------------------------------------

@@ -80,8 +80,8 @@ class TaSQCudaAdapter:
         # the decode view's exact rows: bf16 (the store's own dtype), f32 for an fp8 store (its
         # codes times scales, unrounded: the CPU path's values)
         if full_dtype is None:
-            fp8 = pool.exact is not None and pool.exact.fmt == "fp8"
-            full_dtype = torch.float32 if fp8 else torch.bfloat16
+            coded_rows = pool.exact is not None and pool.exact.fmt != "bf16"  # fp8, res4
+            full_dtype = torch.float32 if coded_rows else torch.bfloat16
         self.full_dtype = full_dtype
         self.max_view_tokens = max_view_tokens or pool.options.cuda_view_tokens
         self.cfg = pool.tasq_config  # key rates per layer: each layer's tables (tb.config, tb.k_groups)
@@ -156,7 +156,8 @@ class TaSQCudaAdapter:
         if self.windows and wt is not None:
             # tokens outside every window (entry 0) all land on entry 0, the store's never-read
             # "none" entry: one unmasked copy instead of a masked one (which would sync)
-            self.pool.exact.write(lid, wt[0].to(k.device, torch.int64), k_pre, v)
+            coded = self.pool.read_codes(layer.layer_id, loc) if self.pool.exact.fmt == "res4" else None
+            self.pool.exact.write(lid, wt[0].to(k.device, torch.int64), k_pre, v, coded)
 
     # ---- extend (strict per-query windows) ---------------------------------------------------
     def _rope(self, md, n: int, device, tb):
@@ -210,7 +211,7 @@ class TaSQCudaAdapter:
         k_pos = torch.arange(S, device=dev)
         causal = k_pos[None, :] <= q_pos[:, None]
         ex = windows.query_window(q_pos, k_pos, sink, recent)  # [Tq, S] (no windows: all False)
-        k_chunk, v_chunk = self._as_stored(k_chunk, v_chunk, cos[P:], sin[P:])
+        k_chunk, v_chunk = self._as_stored(k_chunk, v_chunk, cos[P:], sin[P:], layer.layer_id, slots[P:])
         if bool((ex | ~causal).all()):  # every key a query sees is in its window: exact attention
             k_ex, v_ex = k_chunk, v_chunk
             if P:
@@ -237,13 +238,15 @@ class TaSQCudaAdapter:
             k_dec, v_dec = torch.where(m, k_ex, k_dec), torch.where(m, v_ex, v_dec)
         return _windowed_attention(q, k_ex, v_ex, k_dec, v_dec, ex & causal, causal, layer.scaling)
 
-    def _as_stored(self, k_chunk, v_chunk, cos, sin):
+    def _as_stored(self, k_chunk, v_chunk, cos, sin, layer_id: int, slots):
         """The chunk's post-RoPE keys and values [Tq, H, d] f32 as the exact store keeps them
-        (``pool.as_stored`` of the pre-RoPE key), so a window token reads the same whether this
-        forward or an earlier one wrote it (as the CPU path); unchanged without windows."""
+        (``pool.as_stored`` of the pre-RoPE key; a res4 store over the codes of ``slots``, the
+        chunk's), so a window token reads the same whether this forward or an earlier one wrote
+        it (as the CPU path); unchanged without windows."""
         if not self.windows:
             return k_chunk.float(), v_chunk.float()
-        pre, v = self.pool.as_stored(rotate(k_chunk, cos, sin, inverse=True), v_chunk)
+        coded = self.pool.read_codes(layer_id, slots) if self.pool.exact.fmt == "res4" else None
+        pre, v = self.pool.as_stored(rotate(k_chunk, cos, sin, inverse=True), v_chunk, coded)
         return rotate(pre, cos, sin), v
 
     def _prefix_exact(self, lid: int, slots: torch.Tensor):

@@ -446,3 +446,59 @@ def test_decode_attention_reads_fp8_entries(scale, windows, H, Hq, d, seq_lens, 
         assert float((bf - ref).abs().max()) > 1e-6  # fp8 entries are not the bf16 ones
     with pytest.raises(TypeError, match="uint8"):
         plan(q, k_rows, v_rows, tab, sm_scale, wk.unsqueeze(1), wv.unsqueeze(1), win_scales=(ks, vs))
+
+
+@pytest.mark.parametrize("split_tokens", [None, 5])
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
+    ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40]),
+    ("per_head", (0, 5), 2, 4, 32, [20, 9, 12]),
+    ("shared", (4, 8), 1, 2, 16, [700, 60]),
+])
+def test_decode_attention_reads_res4_entries(scale, windows, H, Hq, d, seq_lens, split_tokens):
+    """A res4 exact store (``exact_format="res4"``: uint8 [E + 1, H, d / 2] nibbles of the residual
+    over the slot's own codes, one fp16 scale per (entry, head)) is read as the slot's codes plus
+    the residual, window and kept slots alike: the kernel equals the reference fed the decoded
+    entries (:func:`salient.res4_decode` over the codes' reading, pre-RoPE, native order), which
+    lie within half a step of the bf16 entries they were made from; a misshaped or mislabelled
+    store is refused."""
+    from sglang_tasq.salient import res4_decode, res4_encode
+
+    sink, recent = windows
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=32, group_size_k=4, group_size_v=8, scale=scale,
+                     sink_window=sink, recent_window=recent)
+    cb, kb, k_rows, v_rows, slots, q, win = _pool_case(cfg, H, Hq, d, seq_lens, 21, True)
+    kept, win, _ = _kept_case(win, slots, seq_lens, cfg, 5)
+    entry_of, wk, wv = win
+    E = wk.shape[0] - 1
+    slot_of = torch.zeros(E + 1, dtype=torch.int64)  # entry -> its slot (entry 0 and orphans: slot 0)
+    has = torch.nonzero(entry_of > 0).flatten()
+    slot_of[entry_of[has]] = has
+    Gk, Gv = d // cfg.group_size_k, d // cfg.group_size_v
+    kr = k_rows[slot_of]
+    kc = packing.unpack_codes(kr[:, :kb].contiguous(), H * Gk, cfg.code_bits_k).view(E + 1, H, Gk)
+    sc = None
+    if cfg.scale != "none":
+        sc = torch.empty(E + 1, kr.shape[1] - kb, dtype=torch.uint8).copy_(kr[:, kb:]).view(torch.float16).reshape(E + 1, -1)
+    coded_k = codec.decode_keys(kc, sc, cb, 0)
+    coded_v = codec.decode_values(packing.unpack_codes(v_rows[slot_of], H * Gv, cfg.code_bits_v).view(E + 1, H, Gv), cb, 0)
+    (k4, ks), (v4, vs) = res4_encode(wk.float(), coded_k), res4_encode(wv.float(), coded_v)
+    dk, dv = res4_decode(k4, ks, coded_k), res4_decode(v4, vs, coded_v)
+    assert float(((dk - wk.float()).abs() - 0.5 * ks.float()[..., None] * 1.01).max()) <= 1e-6
+    sm_scale = d ** -0.5
+    cos, sin = cos_sin(torch.arange(max(seq_lens) + 3), cb.inv_freq, cb.attention_scaling)
+    indptr = torch.tensor([0] + seq_lens).cumsum(0)
+    tab = cpu.DecodeTables(cb, 0)
+    plan = cpu.DecodePlan(indptr, slots, cfg, kb, Hq, H, d, cos, sin, entry_of, split_tokens)
+    for kp in (None, kept):
+        ref = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q, (entry_of, dk, dv), H, d, sm_scale, kp)
+        got = plan(q, k_rows, v_rows, tab, sm_scale, k4.unsqueeze(1), v4.unsqueeze(1), kept=kp, win_scales=(ks, vs),
+                   win_format="res4")
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+        codes_only = _reference(cb, cfg, k_rows, v_rows, kb, slots, seq_lens, q,
+                                (entry_of, coded_k, coded_v), H, d, sm_scale, kp)
+        assert float((codes_only - ref).abs().max()) > 1e-4  # the residual is read
+    with pytest.raises(ValueError, match="width"):  # fp8-shaped entries labelled res4
+        plan(q, k_rows, v_rows, tab, sm_scale, torch.zeros(E + 1, 1, H, d, dtype=torch.uint8),
+             torch.zeros(E + 1, 1, H, d, dtype=torch.uint8), win_scales=(ks, vs), win_format="res4")
+    with pytest.raises(ValueError, match="need win_scales"):
+        plan(q, k_rows, v_rows, tab, sm_scale, k4.unsqueeze(1), v4.unsqueeze(1), win_format="res4")

@@ -34,8 +34,8 @@ def _tasq_pools(window_rows: int, kernels: tuple = (True, True), req_rows: int |
     return pools, (make_request_rows(req_rows) if req_rows is not None else None)
 
 
-@pytest.mark.parametrize("mixed,fmt", [(False, "bf16"), (True, "bf16"), (False, "fp8")],
-                         ids=["one_key_rate", "per_layer_key_rate", "fp8_store"])
+@pytest.mark.parametrize("mixed,fmt", [(False, "bf16"), (True, "bf16"), (False, "fp8"), (False, "res4")],
+                         ids=["one_key_rate", "per_layer_key_rate", "fp8_store", "res4_store"])
 def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(mixed, fmt):
     """The backend's kernel decode and its torch decode read the same TaSQTokenToKVPool: ragged
     requests, a radix-shared prefix (its sink and tail read from the entries its first writer
@@ -50,7 +50,7 @@ def test_backend_decode_kernel_matches_torch_path_on_a_real_pool(mixed, fmt):
     from sglang_tasq.srt.backend import TaSQAttnBackend
 
     (pool,), r2t_pool = _tasq_pools(window_rows=3, kernels=(True,), req_rows=3, mixed=mixed, exact_format=fmt)
-    assert pool.exact.fmt == fmt and pool.exact.k[0].dtype == (torch.uint8 if fmt == "fp8" else torch.bfloat16)
+    assert pool.exact.fmt == fmt and pool.exact.k[0].dtype == (torch.bfloat16 if fmt == "bf16" else torch.uint8)
     if mixed:
         assert [b.shape[1] for b in pool.k_buffer] == [3 + 2, 4 + 2]  # key codes + the fp16 scale
     runner = types.SimpleNamespace(device="cpu", req_to_token_pool=r2t_pool, token_to_kv_pool=pool)

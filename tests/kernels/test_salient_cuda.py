@@ -56,9 +56,10 @@ def _sim_main(exact_format: str = "bf16") -> dict:
 
 
 @pytest.mark.slow  # ~2 min each: the simulator runs the encode kernel a thread at a time
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "res4"])
 def test_cuda_path_serves_salient_tokens_in_simulator(fmt):
-    """(fp8: an fp8 exact store, its copies written by the adapter and read into f32 view rows.)"""
+    """(fp8: an fp8 exact store, its copies written by the adapter and read into f32 view rows;
+    res4: residuals over the codes the adapter wrote, read likewise.)"""
     env = child_env(NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), fmt], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)

@@ -90,14 +90,20 @@ class Runner:
 
 def _reference_kept(cb, data, S, exact_format="bf16"):
     """The blocks decided over the first S positions by the plain-torch rule: each query's window
-    echo over the exact keys (bf16 pre-RoPE copies, or fp8 ones (:func:`salient.fp8_rows`),
-    re-rotated), fp16 per (layer, head), layers up to the deciding one."""
+    echo over the exact keys (bf16 pre-RoPE copies, fp8 ones (:func:`salient.fp8_rows`), or res4
+    ones over the keys' codes (:func:`salient.res4_rows`), re-rotated), fp16 per (layer, head),
+    layers up to the deciding one."""
+    from sglang_tasq import codec
+
     q, k, _ = data
     rows = []
     for lid in range(DECIDE + 1):
         kk = k[lid, :S].view(S, H, D)
         pre = apply_rope(kk, torch.arange(S), cb.inv_freq, cb.attention_scaling, inverse=True)
-        pre = pre.to(torch.bfloat16) if exact_format == "bf16" else sal.fp8_rows(pre)
+        if exact_format == "res4":
+            pre = sal.res4_rows(pre, codec.decode_keys(*codec.encode_keys(pre, cb, lid), cb, lid))
+        else:
+            pre = pre.to(torch.bfloat16) if exact_format == "bf16" else sal.fp8_rows(pre)
         post = apply_rope(pre.float(), torch.arange(S), cb.inv_freq, cb.attention_scaling)
         e = sal.query_echo(q[lid, :S].view(S, HQ, D), post, torch.arange(S), torch.arange(S), SINK, RECENT, D ** -0.5)
         rows.append(e.to(torch.float16).float().T)
@@ -105,9 +111,10 @@ def _reference_kept(cb, data, S, exact_format="bf16"):
                                                                           block=BLOCK, layer=DECIDE)).tolist()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "res4"])
 def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared(fmt):
-    """(fp8: the exact store holds fp8 copies, ``exact_format``: the echo reads them.)"""
+    """(fp8: the exact store holds fp8 copies, ``exact_format``: the echo reads them; res4: the
+    codes plus a 4-bit residual.)"""
     pool, r2t, be_k, be_t, cb = _setup(exact_format=fmt)
     data = _data()
     free = list(range(1, 600))
@@ -119,8 +126,8 @@ def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared(fmt):
         pieces.forward(n, data, other=be_t)
     want = _reference_kept(cb, data, T, fmt)
     assert len(want) == BUDGET * sal.decided_blocks(T, pool.salient) and min(want) >= SINK
-    if fmt == "fp8":
-        assert pool.exact.fmt == "fp8" and pool.exact.k_scale is not None
+    if fmt != "bf16":
+        assert pool.exact.fmt == fmt and pool.exact.k_scale is not None
     assert whole.kept() == want and pieces.kept() == want
     # the same attention, whole or chunked; the deciding layer and after read the kept tokens
     for lid in range(LAYERS):

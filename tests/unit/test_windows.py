@@ -371,6 +371,11 @@ def test_salient_entries_and_cell_bytes():
     extra8 = -(-36 * entry_bytes(3, 64, 30, "fp8") // 192) + 2 * 54 + 1
     assert cell_bytes(sal8, 3, 64, 30) == cell_bytes(plain, 3, 64, 30) + extra8 < cell_bytes(sal, 3, 64, 30)
     assert store_bytes(sal8, 3, 64, 30, 4) == (4 * (64 + 512) + 1) * entry_bytes(3, 64, 30, "fp8") - 8
+    # res4 copies: two residual nibbles a byte and an fp16 scale per (layer, side, head)
+    sal4 = TaSQConfig(salient_budget=36, salient_block=192, salient_layer=17, exact_format="res4")
+    assert entry_bytes(3, 64, 30, "res4") == 2 * 3 * 34 * 30 + 25
+    assert cell_bytes(sal4, 3, 64, 30) == cell_bytes(plain, 3, 64, 30) + -(-36 * entry_bytes(3, 64, 30, "res4") // 192) \
+        + 2 * 54 + 1 < cell_bytes(sal8, 3, 64, 30)
 
 
 def test_a_kept_position_without_its_entry_cuts_the_prefix():
@@ -431,3 +436,37 @@ def test_cached_windows_are_sized_and_charged():
         ServeOptions.from_env({"SGLANG_TASQ_CACHED_WINDOWS": "-1"})
     with pytest.raises(OptionError, match=r"SGLANG_TASQ_CACHED_WINDOWS='many' is not an integer"):
         ServeOptions.from_env({"SGLANG_TASQ_CACHED_WINDOWS": "many"})
+
+
+def test_exact_store_holds_res4_copies_over_the_slots_codes():
+    """``fmt="res4"``: [E + 1, H, d / 2] nibbles and an fp16 scale per (entry, head) of what the
+    slot's codes miss, read back over ``coded(layer, slots)`` (the pool's decode of the slot's
+    codes; an entry's slot is its owner) as :func:`salient.res4_rows`, which is what ``held``
+    returns for the same codes; without ``coded`` it is refused."""
+    from sglang_tasq.salient import res4_rows
+
+    codes = {}  # (layer, slot) -> what the slot's codes read as (k, v) [H, d]: stands for the pool's codes
+    gen = torch.Generator().manual_seed(0)
+
+    def coded(layer, slots):
+        rows = [codes[(layer, int(s))] for s in slots]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    st = ExactStore(8, 4, 2, 3, 16, fmt="res4", coded=coded)
+    assert st.k[1].shape == (5, 3, 8) and st.k[1].dtype == torch.uint8 and st.k_scale[1].shape == (5, 3)
+    k, v = torch.randn(2, 3, 16, generator=gen) * 5, torch.randn(2, 3, 16, generator=gen) * 1e-3
+    for i, s in enumerate((2, 6)):
+        codes[(1, s)] = (k[i] + torch.randn(3, 16, generator=gen), v[i] + 1e-4 * torch.randn(3, 16, generator=gen))
+    ck, cv = coded(1, [2, 6])
+    ent = st.assign(torch.tensor([2, 6]), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="pass coded="):
+        st.write(1, ent, k, v)
+    st.write(1, ent, k, v, (ck, cv))
+    rk, rv = st.read(1, ent.flip(0))  # entries in any order read their own slots' codes
+    assert torch.equal(rk, res4_rows(k, ck).flip(0)) and torch.equal(rv, res4_rows(v, cv).flip(0))
+    assert torch.equal(st.read_k(1, ent), res4_rows(k, ck)) and torch.equal(st.held(k, ck), res4_rows(k, ck))
+    assert float((rk.flip(0) - k).abs().max()) < float((ck - k).abs().max()) / 8
+    bf = ExactStore(8, 4, 2, 3, 16)
+    assert bf.nbytes() - st.nbytes() == 2 * 2 * 5 * 3 * (16 * 2 - 8 - 2)  # layers x sides x entries x heads
+    with pytest.raises(ValueError, match="pass coded="):
+        ExactStore(8, 4, 2, 3, 16, fmt="res4")

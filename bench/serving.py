@@ -51,9 +51,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "serving"
 # tasq8: --tasq8-config's artifact (TaSQ with fp8 window copies: calibrate serving --exact fp8);
 # tasq_salient: --salient-config's (salient tokens); tasq_salient8: --salient8-config's (salient
-# tokens and fp8 exact copies), both with --salient-chunk
-SERVERS = ("bf16", "fp8", "tasq", "tasq8", "tasq_salient", "tasq_salient8")
-SALIENT_SERVERS = ("tasq_salient", "tasq_salient8")
+# tokens and fp8 exact copies); tasq_salient4: --salient4-config's (salient tokens, exact copies as
+# codes + a 4-bit residual: --exact res4); the salient ones with --salient-chunk
+SERVERS = ("bf16", "fp8", "tasq", "tasq8", "tasq_salient", "tasq_salient8", "tasq_salient4")
+SALIENT_SERVERS = ("tasq_salient", "tasq_salient8", "tasq_salient4")
+SALIENT_CONFIGS = {"tasq_salient": "salient_config", "tasq_salient8": "salient8_config",
+                   "tasq_salient4": "salient4_config"}  # server -> its artifact's option
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
 DATASET = "random-ids (range ratio 1.0, seed 1)"
 # the workload fields that change the measured figures (with the model, the artifact and the dataset)
@@ -73,17 +76,20 @@ PRESETS = {
 
 
 def kv_cells(model_dir: Path, manifest: Path | None, window_rows: int, salient: Path | None = None,
-             forward_tokens: int = 0, salient8: Path | None = None, tasq8: Path | None = None) -> dict:
+             forward_tokens: int = 0, salient8: Path | None = None, tasq8: Path | None = None,
+             salient4: Path | None = None) -> dict:
     """{server: (bytes per token slot, fixed bytes)}, the numbers SGLang's pool sizing uses
-    (``salient``/``salient8``/``tasq8``: the tasq_salient / tasq_salient8 / tasq8 servers' artifacts;
-    ``forward_tokens``: the salient servers' chunked prefill size)."""
+    (``salient``/``salient8``/``salient4``/``tasq8``: the tasq_salient / tasq_salient8 /
+    tasq_salient4 / tasq8 servers' artifacts; ``forward_tokens``: the salient servers' chunked
+    prefill size)."""
     fp = fingerprint(model_config_dict(str(model_dir)))
     bf16 = fp.num_kv_heads * 2 * fp.head_dim * fp.num_layers * 2
     cells = {"bf16": (bf16, 0), "fp8": (bf16 // 2, 0)}
     from sglang_tasq.artifact import load_artifact
     from sglang_tasq.windows import cell_bytes, store_bytes
 
-    for name, path in (("tasq", manifest), ("tasq8", tasq8), ("tasq_salient", salient), ("tasq_salient8", salient8)):
+    for name, path in (("tasq", manifest), ("tasq8", tasq8), ("tasq_salient", salient), ("tasq_salient8", salient8),
+                       ("tasq_salient4", salient4)):
         if path is not None:
             cfg = load_artifact(path).config
             cells[name] = (cell_bytes(cfg, fp.num_kv_heads, fp.head_dim, fp.num_layers),
@@ -109,7 +115,7 @@ def server_cmd(name: str, model_dir: Path, port: int, a, max_tokens: int | None)
     if name == "fp8":  # SGLang's CPU fp8 KV cache requires the intel_amx backend (and AMX)
         return cmd + ["--attention-backend", "intel_amx", "--kv-cache-dtype", "fp8_e4m3"]
     if name in SALIENT_SERVERS:
-        art = a.salient_config if name == "tasq_salient" else a.salient8_config
+        art = getattr(a, SALIENT_CONFIGS[name])
         return cmd + ["--tasq-config", str(art), "--chunked-prefill-size", str(a.salient_chunk)]
     return cmd + ["--tasq-config", str(a.tasq8_config if name == "tasq8" else a.tasq_config)]
 
@@ -249,6 +255,8 @@ def workload_key(a) -> dict:
         key.update(salient_artifact=artifact_id(a.salient_config), salient_chunk=a.salient_chunk)
     if "tasq_salient8" in a.servers:
         key.update(salient8_artifact=artifact_id(a.salient8_config), salient_chunk=a.salient_chunk)
+    if "tasq_salient4" in a.servers:
+        key.update(salient4_artifact=artifact_id(a.salient4_config), salient_chunk=a.salient_chunk)
     if a.paired:
         key["servers"] = sorted(a.servers)
     return key
@@ -315,6 +323,8 @@ def parse_args(argv=None):
                     help="the tasq_salient server's artifact (calibrate serving --salient ...)")
     ap.add_argument("--salient8-config", type=Path, default=None,
                     help="the tasq_salient8 server's artifact (calibrate serving --salient ... --exact fp8)")
+    ap.add_argument("--salient4-config", type=Path, default=None,
+                    help="the tasq_salient4 server's artifact (calibrate serving --salient ... --exact res4)")
     ap.add_argument("--salient-chunk", type=int, default=None,
                     help="the salient servers' --chunked-prefill-size (default: the input length, one chunk "
                          "per prompt as the other servers prefill it; a chunk's tokens outside the recent window "
@@ -363,6 +373,13 @@ def parse_args(argv=None):
         if cfg.get("exact_format") != "fp8" or not cfg.get("salient_budget"):
             ap.error(f"--salient8-config {a.salient8_config}: an artifact with salient tokens and fp8 exact copies is "
                      "needed (calibrate serving --salient ... --exact fp8)")
+    if "tasq_salient4" in a.servers:
+        if a.salient4_config is None or not Path(a.salient4_config).is_file():
+            ap.error("tasq_salient4 needs --salient4-config PATH (calibrate serving --salient ... --exact res4)")
+        cfg = json.loads(Path(a.salient4_config).read_text()).get("config", {})
+        if cfg.get("exact_format") != "res4" or not cfg.get("salient_budget"):
+            ap.error(f"--salient4-config {a.salient4_config}: an artifact with salient tokens and res4 exact copies "
+                     "is needed (calibrate serving --salient ... --exact res4)")
     return a
 
 
@@ -380,7 +397,8 @@ def main(argv=None, *, launch=run_servers) -> int:
     cells = kv_cells(model_dir, a.tasq_config if "tasq" in a.servers else None, a.window_rows,
                      a.salient_config if "tasq_salient" in a.servers else None, a.salient_chunk,
                      a.salient8_config if "tasq_salient8" in a.servers else None,
-                     a.tasq8_config if "tasq8" in a.servers else None)
+                     a.tasq8_config if "tasq8" in a.servers else None,
+                     a.salient4_config if "tasq_salient4" in a.servers else None)
     budget = int(a.kv_budget_mib * 2**20)
     a.run_dir.mkdir(parents=True, exist_ok=True)
     art = os.path.relpath(a.tasq_config, ROOT) if a.tasq_config else None

@@ -88,9 +88,10 @@ def test_server_cmd_per_kind(tmp_path, artifact):
 
 
 def test_salient_servers_take_their_artifacts(tmp_path, smol, artifact):
-    """tasq_salient and tasq_salient8 (fp8 exact copies) serve their own artifacts with the salient
-    chunk; the fp8 one's slots are the smaller (kv_cells = the pool's sizing); an artifact without
-    fp8 copies is refused for tasq_salient8. tasq8 (fp8 window copies, no salient tokens) likewise."""
+    """tasq_salient, tasq_salient8 (fp8 exact copies) and tasq_salient4 (res4) serve their own
+    artifacts with the salient chunk; the fp8 one's slots are the smaller, res4's smaller still
+    (kv_cells = the pool's sizing); an artifact without those copies is refused. tasq8 (fp8 window
+    copies, no salient tokens) likewise."""
     import subprocess
     import sys
 
@@ -98,7 +99,7 @@ def test_salient_servers_take_their_artifacts(tmp_path, smol, artifact):
     from sglang_tasq.windows import cell_bytes
 
     paths = {}
-    for name, extra in (("sal", []), ("sal8", ["--exact", "fp8"])):
+    for name, extra in (("sal", []), ("sal8", ["--exact", "fp8"]), ("sal4", ["--exact", "res4"])):
         subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out",
                         str(tmp_path / name), "--salient", "36/192@17", *extra], check=True, capture_output=True)
         paths[name] = tmp_path / name / "tasq.json"
@@ -115,6 +116,19 @@ def test_salient_servers_take_their_artifacts(tmp_path, smol, artifact):
     assert cells["tasq_salient8"][1] < cells["tasq_salient"][1] / 1.8  # the fixed store, halved
     with pytest.raises(SystemExit):
         serving.parse_args(argv[:5] + ["--salient8-config", str(paths["sal"])])
+    # tasq_salient4: res4 copies (codes + a 4-bit residual): smaller slots and store again
+    c = serving.parse_args(["--quick", "--servers", "tasq_salient4", "--salient4-config", str(paths["sal4"]),
+                            "--out", str(tmp_path / "run4")])
+    cmd = serving.server_cmd("tasq_salient4", Path("/m"), 1234, c, 1000)
+    assert cmd[cmd.index("--tasq-config") + 1] == str(paths["sal4"]) and "--chunked-prefill-size" in cmd
+    cells4 = serving.kv_cells(smol, None, c.window_rows, paths["sal"], c.salient_chunk, paths["sal8"],
+                              salient4=paths["sal4"])
+    assert cells4["tasq_salient4"][0] == cell_bytes(load_artifact(paths["sal4"]).config, 3, 64, 30) \
+        < cells4["tasq_salient8"][0] and cells4["tasq_salient4"][1] < cells4["tasq_salient8"][1] / 1.8
+    assert serving.workload_key(c)["salient4_artifact"] == serving.artifact_id(paths["sal4"])
+    for wrong in (paths["sal8"], artifact):  # fp8 copies, or no salient tokens
+        with pytest.raises(SystemExit):
+            serving.parse_args(["--quick", "--servers", "tasq_salient4", "--salient4-config", str(wrong)])
     # tasq8: plain TaSQ with fp8 window copies; its fixed store halves, its slots stay TaSQ's
     subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out",
                     str(tmp_path / "x8"), "--exact", "fp8"], check=True, capture_output=True)

@@ -1,8 +1,8 @@
 """Salient tokens served (issue 14): an artifact with ``calibrate serving --salient 36/192@17 --exact
-fp8`` (the shipped setting: salient tokens, every exact copy held as fp8 with an fp16 scale per token
-and head) through a real SGLang server (CPU, SmolLM2, radix cache on, prompts prefilled in chunks of
+fp8`` or ``--exact res4`` (the shipped settings: salient tokens, every exact copy held as fp8 with an
+fp16 scale per token and head, or as its codes plus a 4-bit residual) through a real SGLang server (CPU, SmolLM2, radix cache on, prompts prefilled in chunks of
 256, 4 requests in flight) gives the NIAH answers of the HF decode view's streaming point
-``tasq:64+256:S36/192L17a12e:x8:first`` on the same artifact and question-first samples, cold and
+``tasq:64+256:S36/192L17a12e:x8:first`` (``:r4:`` for res4) on the same artifact and question-first samples, cold and
 warm (the second pass reads its prefix from the radix cache, kept slots included), and the HF
 ``TaSQCache`` on the same artifact (``model=``: it keeps the salient tokens itself), fed one token
 at a time so that every prompt query reads the per-query window rule the server reads, answers
@@ -22,13 +22,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import retrieval as R
 from bench import ruler_server as RS
 from bench.ruler import _samples, token_cap
 
 from _support import ROOT
 
-POINT = "tasq:64+256:S36/192L17a12e:x8:first"
+POINT = "tasq:64+256:S36/192L17a12e:{side}:first"
+SIDES = {"fp8": "x8", "res4": "r4"}  # exact format -> its decode-view point suffix
 TASKS = ("niah_single_1", "niah_single_2")  # answered by the point at 1k: a path that misreads fails them
 
 
@@ -42,7 +45,7 @@ def _hf_cache_answer(model, tok, codebooks, sample, cap: int) -> str:
 
     c = codebooks.config
     cache = TaSQCache(codebooks, c.sink_window, c.recent_window, model=model)
-    assert cache.exact_format == ("fp8" if c.exact_format == "fp8" else None)
+    assert cache.exact_format == (c.exact_format if c.exact_format != "bf16" else None)
     ids, eos, out = tok(sample["prompt"], add_special_tokens=False)["input_ids"], _eos_ids(model, tok), []
     with torch.no_grad():
         for t in ids:
@@ -60,10 +63,12 @@ def _hf_cache_answer(model, tok, codebooks, sample, cap: int) -> str:
     return tok.decode(out, skip_special_tokens=True)
 
 
-def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_dir, smollm2_tokenizer):
+@pytest.mark.parametrize("fmt", ["fp8", "res4"])
+def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_dir, smollm2_tokenizer, fmt):
+    """(res4: every exact copy held as the token's codes plus a 4-bit residual.)"""
     out = tmp_path / "salient"
     subprocess.run([sys.executable, "-m", "calibrate", "serving", str(Path(artifact).parent), "--out", str(out),
-                    "--salient", "36/192@17", "--exact", "fp8"], check=True, cwd=str(ROOT), timeout=300)
+                    "--salient", "36/192@17", "--exact", fmt], check=True, cwd=str(ROOT), timeout=300)
     manifest = out / "tasq.json"
 
     from bench import methods as M
@@ -73,9 +78,9 @@ def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_di
     model, tok = load_model("smollm2-135m")
     spec = M.parse("tasq")
     method = M.build(spec, out, fingerprint(load_config(smollm2_dir)))
-    point = R.Point.parse(POINT)
+    point = R.Point.parse(POINT.format(side=SIDES[fmt]))
     dec = R.evaluate(model, tok, method, point, 1024, 1, TASKS, max_new=64)
-    plain = R.evaluate(model, tok, method, R.Point.parse("tasq:64+256:x8:first"), 1024, 1, TASKS, max_new=64)
+    plain = R.evaluate(model, tok, method, R.Point.parse(f"tasq:64+256:{SIDES[fmt]}:first"), 1024, 1, TASKS, max_new=64)
     samples = [s for t in TASKS for s in _samples(smollm2_tokenizer, t, 1024, 1, "first")]
     caps = [token_cap(s, 64) for s in samples]
     with RS.served("tasq", smollm2_dir, manifest, tmp_path / "server.log") as (base, state):
@@ -95,7 +100,7 @@ def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_di
     from sglang_tasq.artifact import load_artifact
 
     codebooks = load_artifact(manifest).codebooks
-    assert codebooks.config.exact_format == "fp8"  # the HF cache holds its copies as the server does
+    assert codebooks.config.exact_format == fmt  # the HF cache holds its copies as the server does
     hf = [_hf_cache_answer(model, tok, codebooks, s, c) for s, c in zip(samples, caps)]
     print({"hf cache": hf})
     for s, w, h in zip(samples, want, hf):

@@ -159,13 +159,15 @@ def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq, scaling: f
 
 
 def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQuantizer | None = None,
-                coder: SideQuantizer | None = None, layer: int = 0, state: dict | None = None) -> torch.Tensor:
+                coder: SideQuantizer | None = None, layer: int = 0, state: dict | None = None,
+                coded: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens x [B, H, n, d] at positions T0.. as an exact side buffer of ``exact_format`` holds
     them, in x's dtype: None keeps x; "bf16" rounds it to bf16; "fp8" holds each (token, head) row
     as fp8 e4m3 with an fp16 scale (:func:`salient.fp8_rows`); "res4" as the token's codes plus a
     4-bit residual (:func:`salient.res4_rows`: ``coder``, the side's quantizer, gives the codes'
-    reading, at ``layer`` with ``state``). Keys (``keys`` given: the method's key quantizer) are held
-    pre-RoPE, as the serving pool stores them, when the method codes them so."""
+    reading, at ``layer`` with ``state``; or ``coded`` [B, n, H, d], that reading already made).
+    Keys (``keys`` given: the method's key quantizer) are held pre-RoPE, as the serving pool
+    stores them, when the method codes them so."""
     if exact_format is None:
         return x
     sal.copy_bits(exact_format, x.shape[-1])  # a bad format fails here
@@ -175,15 +177,17 @@ def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQu
                              f"quantizer that codes tokens one by one (got {getattr(coder, 'name', None)!r})")
         st = {} if state is None else state
 
-        def hold(t):  # t [n, H, d]: as the side codes it (pre-RoPE keys where it codes those)
+        def hold(t, b):  # t [n, H, d]: as the side codes it (pre-RoPE keys where it codes those)
             if coder.exact:  # a side kept as it is (keys=False / values=False): nothing to complete
                 return t
-            return sal.res4_rows(t, coder.decode(coder.encode(t, layer, st), layer, st))
+            c = coded[b] if coded is not None else coder.decode(coder.encode(t, layer, st), layer, st)
+            return sal.res4_rows(t, c)
     elif exact_format == "bf16":
-        def hold(t):
+        def hold(t, b):
             return t.to(torch.bfloat16).float()
     else:
-        hold = sal.fp8_rows
+        def hold(t, b):
+            return sal.fp8_rows(t)
     rope = keys is not None and getattr(keys, "pre_rope", False)
     pos = torch.arange(T0, T0 + x.shape[2], device=x.device)
     out = torch.empty_like(x)
@@ -191,7 +195,7 @@ def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQu
         t = x[b].transpose(0, 1).float()  # [n, H, d]
         if rope:
             t = unrotate_keys(t, pos, keys.inv_freq, keys.attention_scaling)
-        t = hold(t)
+        t = hold(t, b)
         if rope:
             t = apply_rope(t, pos, keys.inv_freq, keys.attention_scaling)
         out[b] = t.transpose(0, 1).to(x.dtype)
@@ -275,8 +279,13 @@ class QuantizedKVLayer(DynamicLayer):
         if fmt is not None:  # ... then hold the exact copies as the server's store does
             for name, x in (("k", key_states), ("v", value_states)):
                 side = self.sides[name]
+                coded = None
+                if fmt in sal.RESIDUAL_FORMATS and not side.q.exact:  # the codes just made, as read
+                    coded = torch.stack([side.q.decode(store.slice(T0, T1), self.layer_idx, side.state)
+                                         for store in side.rows])
                 self.bufs[name][:, :, T0:T1] = held_copies(x, T0, fmt, side.q if name == "k" else None,
-                                                           coder=side.q, layer=self.layer_idx, state=side.state)
+                                                           coder=side.q, layer=self.layer_idx, state=side.state,
+                                                           coded=coded)
         if self.cache.salient_state is not None:  # echo of the new tokens; decisions at the deciding layer
             self.cache.salient_state.step(self, T0, T1)
         for name, side in self.sides.items():  # ... decode on leaving windows

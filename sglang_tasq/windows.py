@@ -156,8 +156,8 @@ class ExactStore:
     [E + 1, H] (:func:`sglang_tasq.salient.fp8_encode`; None for bf16), or with ``fmt="res4"``
     [E + 1, H, d / 2] uint8 nibbles of the residual over the slot's own codes, with their scales
     likewise (:func:`sglang_tasq.salient.res4_encode`): writing and reading such an entry needs
-    what the slot's codes read as, ``coded(layer, slots) -> (pre-RoPE keys, values) [n, H, d]
-    f32`` (the pool's reference decode). Write with :meth:`write`,
+    what the slot's codes read as, ``coded(layer, slots, values=True) -> (pre-RoPE keys, values)
+    [n, H, d] f32`` (the pool's reference decode; ``values=False``: keys only, values None). Write with :meth:`write`,
     read with :meth:`read` (f32), so every reader sees one rounding. ``entry_of`` [num_slots] int64
     slot -> entry; ``owner`` [E + 1] entry -> slot (-1 free); ``stamp`` [E + 1] the clock of last
     use; ``interior`` [E + 1] entries :meth:`demote` d. Eviction runs only when the free list is empty:
@@ -247,8 +247,8 @@ class ExactStore:
 
     def read_k(self, layer: int, ent: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys [n, H, d] f32 of entries ``ent`` of local layer ``layer``."""
-        if self.fmt == "res4":
-            return self.read(layer, ent)[0]
+        if self.fmt == "res4":  # (the window echo reads keys only: values' codes not decoded)
+            return self._read(self.k, self.k_scale, layer, ent, self.coded(layer, self.owner[ent], values=False)[0])
         return self._read(self.k, self.k_scale, layer, ent)
 
     def _read(self, buf, sbuf, layer: int, ent: torch.Tensor, coded=None) -> torch.Tensor:

@@ -114,7 +114,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
                 # a res4 store reads its entries over the slots' codes (the reference decode)
                 self.exact = windows.ExactStore(
                     rows, E, self.layer_num, H, d, device=self.device, fmt=cfg.exact_format,
-                    coded=lambda lid, slots: self.read_codes(lid + self.start_layer, slots))
+                    coded=lambda lid, slots, values=True: self.read_codes(lid + self.start_layer, slots, values))
             # [E + 1, 1, H, d] views: the kernels' (entry, index 0) addressing of the store
             self.win_k = [t.unsqueeze(1) for t in self.exact.k]
             self.win_v = [t.unsqueeze(1) for t in self.exact.v]
@@ -432,8 +432,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             self.exact.kept[kept] = 1
 
     # ---- reads -----------------------------------------------------------------------------
-    def read_codes(self, layer_id: int, slots: torch.Tensor):
-        """slots [S] -> pre-RoPE keys, values [S, H, d] f32 decoded from their codes (reference codec)."""
+    def read_codes(self, layer_id: int, slots: torch.Tensor, values: bool = True):
+        """slots [S] -> pre-RoPE keys, values [S, H, d] f32 decoded from their codes (reference
+        codec); ``values=False``: keys only (values None)."""
         lid = layer_id - self.start_layer
         S, H = slots.shape[0], self.head_num
         cfg = self.tasq_config
@@ -445,7 +446,9 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             sb = krow[:, Bk:]  # copied to a fresh buffer: a 1-row slice keeps an odd offset
             scale = torch.empty_like(sb, memory_format=torch.contiguous_format).copy_(sb).view(torch.float16)
             scale = scale.reshape(S) if self.scale_bytes == 2 else scale.reshape(S, self.scale_bytes // 2)
-        v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
+        v_codes = None
+        if values:
+            v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
         return self._decode(k_codes, scale, v_codes, layer_id)
 
     def read_exact(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use: torch.Tensor) -> None:
@@ -474,7 +477,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         """== (codec.decode_keys, codec.decode_values) with flattened codebooks prepared once."""
         cb = self.codebooks
         if cb.k_unmix is not None:
-            return codec.decode_keys(k_codes, scale, cb, layer_id), codec.decode_values(v_codes, cb, layer_id)
+            return (codec.decode_keys(k_codes, scale, cb, layer_id),
+                    None if v_codes is None else codec.decode_values(v_codes, cb, layer_id))
         tab = self._dec_tables.get(layer_id)
         if tab is None:
             kc, vc = cb.k_codebook[layer_id].float(), cb.v_codebook[layer_id].float()
@@ -490,6 +494,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         if scale is not None:
             k = codec.apply_scale(k, scale)
         k = torch.gather(k, 2, inv.unsqueeze(0).expand(S, H, -1))
+        if v_codes is None:
+            return k, None
         v = vflat.index_select(0, (v_codes + voff).reshape(-1)).view(S, H, v_codes.shape[2] * vflat.shape[1])
         return k, v
 

@@ -448,9 +448,9 @@ def test_exact_store_holds_res4_copies_over_the_slots_codes():
     codes = {}  # (layer, slot) -> what the slot's codes read as (k, v) [H, d]: stands for the pool's codes
     gen = torch.Generator().manual_seed(0)
 
-    def coded(layer, slots):
+    def coded(layer, slots, values=True):
         rows = [codes[(layer, int(s))] for s in slots]
-        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]) if values else None
 
     st = ExactStore(8, 4, 2, 3, 16, fmt="res4", coded=coded)
     assert st.k[1].shape == (5, 3, 8) and st.k[1].dtype == torch.uint8 and st.k_scale[1].shape == (5, 3)

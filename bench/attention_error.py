@@ -58,8 +58,13 @@ class ProbeCache(QuantizedKVCache):
         if self.side == "bf16":
             return x
         side = self.layers[layer].sides[name]  # the quantizer and state that coded these tokens
+        coded = None
+        if self.side in sal.RESIDUAL_FORMATS and not side.q.exact and side.q.block == 1 \
+                and not getattr(side.q, "positional", False):  # the codes just made
+            n = x.shape[2]
+            coded = torch.stack([side.q.decode(store.slice(T0, T0 + n), layer, side.state) for store in side.rows])
         return held_copies(x, T0, self.side, side.q if name == "k" else None, coder=side.q, layer=layer,
-                           state=side.state)
+                           state=side.state, coded=coded)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         kq, vq = super().update(key_states, value_states, layer_idx)

@@ -57,6 +57,8 @@ SERVERS = ("bf16", "fp8", "tasq", "tasq8", "tasq_salient", "tasq_salient8", "tas
 SALIENT_SERVERS = ("tasq_salient", "tasq_salient8", "tasq_salient4")
 SALIENT_CONFIGS = {"tasq_salient": "salient_config", "tasq_salient8": "salient8_config",
                    "tasq_salient4": "salient4_config"}  # server -> its artifact's option
+CHECKED_ARTIFACTS = {"tasq8": ("tasq8_config", "fp8", False), "tasq_salient8": ("salient8_config", "fp8", True),
+                     "tasq_salient4": ("salient4_config", "res4", True)}
 DEFAULT_ARTIFACTS = (ROOT / "artifacts/smollm2/tasq.json", ROOT / "artifacts/smollm2-fast/tasq.json")
 DATASET = "random-ids (range ratio 1.0, seed 1)"
 # the workload fields that change the measured figures (with the model, the artifact and the dataset)
@@ -359,27 +361,18 @@ def parse_args(argv=None):
     a.salient_chunk = a.salient_chunk or a.input_len
     if "tasq_salient" in a.servers and (a.salient_config is None or not Path(a.salient_config).is_file()):
         ap.error("tasq_salient needs --salient-config PATH (an artifact with salient tokens: calibrate serving --salient)")
-    if "tasq8" in a.servers:
-        if a.tasq8_config is None or not Path(a.tasq8_config).is_file():
-            ap.error("tasq8 needs --tasq8-config PATH (calibrate serving ART --out DIR --exact fp8)")
-        cfg = json.loads(Path(a.tasq8_config).read_text()).get("config", {})
-        if cfg.get("exact_format") != "fp8" or cfg.get("salient_budget"):
-            ap.error(f"--tasq8-config {a.tasq8_config}: an artifact with fp8 exact copies and no salient tokens is "
-                     "needed (calibrate serving ART --out DIR --exact fp8)")
-    if "tasq_salient8" in a.servers:
-        if a.salient8_config is None or not Path(a.salient8_config).is_file():
-            ap.error("tasq_salient8 needs --salient8-config PATH (calibrate serving --salient ... --exact fp8)")
-        cfg = json.loads(Path(a.salient8_config).read_text()).get("config", {})
-        if cfg.get("exact_format") != "fp8" or not cfg.get("salient_budget"):
-            ap.error(f"--salient8-config {a.salient8_config}: an artifact with salient tokens and fp8 exact copies is "
-                     "needed (calibrate serving --salient ... --exact fp8)")
-    if "tasq_salient4" in a.servers:
-        if a.salient4_config is None or not Path(a.salient4_config).is_file():
-            ap.error("tasq_salient4 needs --salient4-config PATH (calibrate serving --salient ... --exact res4)")
-        cfg = json.loads(Path(a.salient4_config).read_text()).get("config", {})
-        if cfg.get("exact_format") != "res4" or not cfg.get("salient_budget"):
-            ap.error(f"--salient4-config {a.salient4_config}: an artifact with salient tokens and res4 exact copies "
-                     "is needed (calibrate serving --salient ... --exact res4)")
+    # the servers that serve an artifact of their own: (its option, exact format, salient tokens?)
+    for server, (opt, fmt, salient) in CHECKED_ARTIFACTS.items():
+        if server not in a.servers:
+            continue
+        path, flag = getattr(a, opt), "--" + opt.replace("_", "-")
+        make = "calibrate serving ART --out DIR" + (" --salient ..." if salient else "") + f" --exact {fmt}"
+        if path is None or not Path(path).is_file():
+            ap.error(f"{server} needs {flag} PATH ({make})")
+        cfg = json.loads(Path(path).read_text()).get("config", {})
+        if cfg.get("exact_format") != fmt or bool(cfg.get("salient_budget")) != salient:
+            ap.error(f"{flag} {path}: an artifact with {fmt} exact copies and {'' if salient else 'no '}salient "
+                     f"tokens is needed ({make})")
     return a
 
 

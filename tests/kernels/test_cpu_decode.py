@@ -407,12 +407,16 @@ def test_decode_plan_kept_is_per_call_and_checked():
     assert torch.equal(plan(q, k_rows, v_rows, tab, 0.25, wk4, wv4, kept[:int(slots.max()) + 1]), got)
 
 
-@pytest.mark.parametrize("split_tokens", [None, 5])
-@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
+# coded exact stores (fp8, res4): ragged requests, both scale modes, a long split request
+STORE_CASES = [
     ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40]),
     ("per_head", (0, 5), 2, 4, 32, [20, 9, 12]),
     ("shared", (4, 8), 1, 2, 16, [700, 60]),
-])
+]
+
+
+@pytest.mark.parametrize("split_tokens", [None, 5])
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", STORE_CASES)
 def test_decode_attention_reads_fp8_entries(scale, windows, H, Hq, d, seq_lens, split_tokens):
     """An fp8 exact store (``exact_format="fp8"``: uint8 float8_e4m3fn codes, one fp16 scale per
     (entry, head)) is read as code x scale, window and kept slots alike: the kernel equals the
@@ -449,11 +453,7 @@ def test_decode_attention_reads_fp8_entries(scale, windows, H, Hq, d, seq_lens, 
 
 
 @pytest.mark.parametrize("split_tokens", [None, 5])
-@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", [
-    ("shared", (4, 8), 3, 9, 16, [1, 5, 97, 0, 40]),
-    ("per_head", (0, 5), 2, 4, 32, [20, 9, 12]),
-    ("shared", (4, 8), 1, 2, 16, [700, 60]),
-])
+@pytest.mark.parametrize("scale,windows,H,Hq,d,seq_lens", STORE_CASES)
 def test_decode_attention_reads_res4_entries(scale, windows, H, Hq, d, seq_lens, split_tokens):
     """A res4 exact store (``exact_format="res4"``: uint8 [E + 1, H, d / 2] nibbles of the residual
     over the slot's own codes, one fp16 scale per (entry, head)) is read as the slot's codes plus

@@ -138,7 +138,7 @@ def served(kind: str, model_dir, manifest, log_path: Path, timeout: float = 600,
             raise RuntimeError(f"{kind} server did not start: {e}; last lines of {log_path}:\n"
                                f"{log_tail(log_path, 15)}") from None
         state = {"cmd": cmd[2:], "startup_s": round(time.time() - t0, 1),
-                 **server_state(_get(base + "/get_server_info"), _get(base + "/v1/loads"))}
+                 **server_state(_get(base + "/get_server_info", timeout=60), _get(base + "/v1/loads", timeout=60))}
         yield base, state
     finally:
         stop_server(proc)

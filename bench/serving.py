@@ -190,7 +190,7 @@ def start_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir:
         tail = (log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
         return None, None, {"status": "failed", "reason": f"{e}: {' | '.join(tail)}"[-600:], "cmd": cmd[2:]}
     return proc, base, {"status": "ok", "cmd": cmd[2:], "startup_s": round(time.time() - t0, 1),
-                        **server_state(_get(base + "/get_server_info"), _get(base + "/v1/loads")), "runs": {}}
+                        **server_state(_get(base + "/get_server_info", timeout=60), _get(base + "/v1/loads", timeout=60)), "runs": {}}
 
 
 def measure(name: str, base: str, model_dir: Path, a, conc: int, log_dir: Path) -> dict:

@@ -65,14 +65,20 @@ def _post(url: str, body: dict, timeout: float = 600):
 
 
 def wait_ready(base: str, proc, timeout: float = 600) -> None:
+    """Wait until the server answers both its HTTP front end (``/v1/models``) and its scheduler
+    (``/get_server_info`` asks the scheduler for its state). The front end answers while the
+    scheduler still runs SGLang's warm-up request, whose first forward compiles kernels (tens of
+    seconds on a cold CPU cache): a caller that asked the scheduler then with a short timeout
+    failed on a slow host."""
     t0 = time.time()
-    while time.time() - t0 < timeout:
+    while (left := timeout - (time.time() - t0)) > 0:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with status {proc.returncode}")
         try:
             _get(base + "/v1/models", timeout=5)
+            _get(base + "/get_server_info", timeout=max(1.0, min(60.0, left)))
             return
-        except OSError:
+        except OSError:  # refused, reset or timed out (socket timeouts are OSErrors)
             time.sleep(2)
     raise TimeoutError(f"server not ready after {timeout:.0f} s")
 

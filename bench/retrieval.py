@@ -35,11 +35,14 @@ A point is written ``METHOD[:WINDOWS][:sB|:SB[/N[Ll]][aN][e|b]][:later|:first]``
   bits per element at d = 64 instead of 16 (served: ``calibrate serving --exact fp8``).
 * ``r4``: each exact copy held as the token's own codes plus a 4-bit residual with an fp16 scale
   per (token, KV head) (:func:`sglang_tasq.salient.res4_rows`): 4.25 bits per element on top of
-  the codes, which are counted as codes. A decode-view measurement.
+  the codes, which are counted as codes (served: ``calibrate serving --exact res4``).
+* ``r2``: the same with a 2-bit residual (:func:`sglang_tasq.salient.res2_rows`: four Lloyd-Max
+  levels of a Gaussian times the row's RMS): 2.25 bits per element on top of the codes. A
+  decode-view measurement (not served).
 
 Bits all-in, per element, averaged over keys and values at the measured mean prompt length T:
 the codes' bits (scales included) + the windows' copies ``min(sink + recent, T) / T * 16`` (8.25
-for ``x8``, 4.25 for ``r4``) + the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
+for ``x8``, 4.25 for ``r4``, 2.25 for ``r2``) + the kept tokens' copies and positions (:func:`sglang_tasq.salient.side_bits`).
 
 Every (point, length) is one item JSON under the run folder, named by the model, preset, samples
 and tasks (resumable; several processes may fill one folder with different points; an artifact
@@ -68,8 +71,8 @@ from .report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
 _POINT = re.compile(r"^(?P<m>[^:]+)(?::(?P<w>none|\d+\+\d+))?(?::(?P<kind>[sS])(?P<b>\d+)(?:/(?P<blk>\d+)(?:L(?P<lay>\d+))?)?(?:a(?P<a>\d+))?(?P<e>[eb])?)?"
-                    r"(?::(?P<x>x8|r4))?(?::(?P<q>later|first))?$")
-_SIDES = {None: "bf16", "x8": "fp8", "r4": "res4"}  # point suffix -> how the exact copies are held
+                    r"(?::(?P<x>x8|r4|r2))?(?::(?P<q>later|first))?$")
+_SIDES = {None: "bf16", "x8": "fp8", "r4": "res4", "r2": "res2"}  # point suffix -> how the exact copies are held
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,13 @@ class Point:
     rule: str = "obs"
     block: int | None = None
     layer: int = 0
-    side: str = "bf16"  # how the exact copies (windows, kept tokens) are held: bf16, fp8 (":x8"), res4 (":r4")
+    side: str = "bf16"  # how the exact copies (windows, kept tokens) are held: bf16, fp8 (":x8"), res4 (":r4"), res2 (":r2")
 
     @classmethod
     def parse(cls, text: str) -> "Point":
         m = _POINT.match(text)
         if not m:
-            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:x8|:r4][:later|:first], "
+            raise ValueError(f"point {text!r}: write METHOD[:none|SINK+RECENT][:sBUDGET|:SBUDGET[/BLOCK[Ll]][aN][e|b]][:x8|:r4|:r2][:later|:first], "
                              "e.g. tasq:64+256:s32")
         M.parse(m["m"])  # an unknown method fails here, with the allowed names
         sink, recent = M.parse_windows(m["w"] or "64+256")

@@ -282,20 +282,21 @@ def kept_mask(kept: torch.Tensor, T: int) -> torch.Tensor:
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-#: how the exact copies (windows, kept tokens) are held: the served formats, and "res4" (the
-#: token's own codes plus a 4-bit residual: :func:`res4_encode`; measured in the decode view)
-SIDE_FORMATS = (*EXACT_FORMATS, "res4")
-RESIDUAL_FORMATS = ("res4",)  # formats that complete the token's codes (they need its quantizer)
+#: how the exact copies (windows, kept tokens) are held: the served formats, and "res2" (the
+#: token's own codes plus a 2-bit residual: :func:`res2_encode`; measured in the decode view only)
+SIDE_FORMATS = (*EXACT_FORMATS, "res2")
+RESIDUAL_FORMATS = ("res4", "res2")  # formats that complete the token's codes (they need its quantizer)
 RES4_MAX = 7  # a residual element is a multiple of scale in [-7, 7], held as a nibble 1..15
 
 
 def copy_bits(side: str, head_dim: int) -> float:
     """Bits per element of one exact copy: bf16, fp8 e4m3 with an fp16 scale per (token, KV
-    head) (:func:`fp8_rows`), or a 4-bit residual over the token's codes with an fp16 scale per
-    (token, KV head) (:func:`res4_rows`; the codes are counted as codes)."""
+    head) (:func:`fp8_rows`), or a 4-bit (2-bit) residual over the token's codes with an fp16
+    scale per (token, KV head) (:func:`res4_rows`, :func:`res2_rows`; the codes are counted as
+    codes)."""
     if side not in SIDE_FORMATS:
         raise ValueError(f"side format {side!r}: allowed {SIDE_FORMATS}")
-    return {"bf16": 16.0, "fp8": 8 + 16 / head_dim, "res4": 4 + 16 / head_dim}[side]
+    return {"bf16": 16.0, "fp8": 8 + 16 / head_dim, "res4": 4 + 16 / head_dim, "res2": 2 + 16 / head_dim}[side]
 
 
 def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,3 +362,42 @@ def window_bits(sink: int, recent: int, T: int, side: str = "bf16", head_dim: in
     """Bits per element each side the exact windows add over a prompt of T tokens (bf16 copies,
     or fp8 ones: :func:`copy_bits`)."""
     return min(sink + recent, T) / T * copy_bits(side, head_dim)
+
+
+#: the residual levels of :func:`res2_encode`, in units of the row's RMS: the four-level Lloyd-Max
+#: quantizer of a unit Gaussian (levels +-0.4528, +-1.5104; cuts at 0 and +-0.9816)
+RES2_LEVELS = torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104])
+RES2_CUTS = torch.tensor([-0.9816, 0.0, 0.9816])
+
+
+def res2_encode(x: torch.Tensor, coded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] and its codes' reading ``coded`` [..., d] (d a multiple of 4) -> (crumbs
+    [..., d/4] uint8, scale [...] fp16): the residual ``x - coded`` per row as the nearest of
+    four levels (:data:`RES2_LEVELS`) times scale = the row's RMS, each element a 2-bit index;
+    channel ``4i + j`` in bits ``2j..2j+1`` of byte ``i``. 2.25 bits per element on top of the
+    codes (:func:`res2_decode` reads it back)."""
+    r = x.float() - coded.float()
+    scale = r.pow(2).mean(-1).sqrt().clamp_min(2 ** -24).to(torch.float16)
+    q = torch.bucketize(r / scale.float()[..., None], RES2_CUTS.to(r.device)).to(torch.int32)
+    q = q.unflatten(-1, (-1, 4))
+    return (q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)).to(torch.uint8), scale
+
+
+def res2_decode(crumbs: torch.Tensor, scale: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """(crumbs, scale) of :func:`res2_encode` and the same codes' reading -> [..., d] f32."""
+    b = crumbs.to(torch.int64)
+    q = torch.stack([(b >> s) & 3 for s in (0, 2, 4, 6)], -1).flatten(-2)
+    return coded.float() + RES2_LEVELS.to(coded.device)[q] * scale.float()[..., None]
+
+
+def res2_rows(x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """x [..., d] as a res2 side buffer returns it (codes + 2-bit residual), in x's dtype."""
+    return res2_decode(*res2_encode(x, coded), coded).to(x.dtype)
+
+
+def residual_rows(fmt: str, x: torch.Tensor, coded: torch.Tensor) -> torch.Tensor:
+    """x held as the residual format ``fmt`` (:data:`RESIDUAL_FORMATS`) over its codes' reading."""
+    rows = {"res4": res4_rows, "res2": res2_rows}.get(fmt)
+    if rows is None:
+        raise ValueError(f"residual format {fmt!r}: allowed {RESIDUAL_FORMATS}")
+    return rows(x, coded)

@@ -163,8 +163,8 @@ def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQu
                 coded: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens x [B, H, n, d] at positions T0.. as an exact side buffer of ``exact_format`` holds
     them, in x's dtype: None keeps x; "bf16" rounds it to bf16; "fp8" holds each (token, head) row
-    as fp8 e4m3 with an fp16 scale (:func:`salient.fp8_rows`); "res4" as the token's codes plus a
-    4-bit residual (:func:`salient.res4_rows`: ``coder``, the side's quantizer, gives the codes'
+    as fp8 e4m3 with an fp16 scale (:func:`salient.fp8_rows`); "res4" ("res2") as the token's codes
+    plus a 4-bit (2-bit) residual (:func:`salient.res4_rows`, :func:`salient.res2_rows`: ``coder``, the side's quantizer, gives the codes'
     reading, at ``layer`` with ``state``; or ``coded`` [B, n, H, d], that reading already made).
     Keys (``keys`` given: the method's key quantizer) are held pre-RoPE, as the serving pool
     stores them, when the method codes them so."""
@@ -181,7 +181,7 @@ def held_copies(x: torch.Tensor, T0: int, exact_format: str | None, keys: SideQu
             if coder.exact:  # a side kept as it is (keys=False / values=False): nothing to complete
                 return t
             c = coded[b] if coded is not None else coder.decode(coder.encode(t, layer, st), layer, st)
-            return sal.res4_rows(t, c)
+            return sal.residual_rows(exact_format, t, c)
     elif exact_format == "bf16":
         def hold(t, b):
             return t.to(torch.bfloat16).float()

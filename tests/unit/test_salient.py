@@ -442,6 +442,10 @@ def test_points_parse_and_bits():
     assert R.Point.parse(x8.name) == x8 and x8.slug != st.slug and R.Point.parse("tasq").side == "bf16"
     want = 1.2915 + 320 / 1000 * 8.25 + 16 / 128 * 8.5  # fp8 copies with an fp16 scale per (token, head)
     assert R.bits_all_in(R.Point.parse("tasq:64+256:S16/128a12e:x8"), (1.333, 1.25), 1000, 64) == pytest.approx(want, abs=1e-3)
+    r2 = R.Point.parse("tasq:64+256:S36/192L17a12e:r2:first")
+    assert r2.side == "res2" and R.Point.parse(r2.name) == r2 and r2.slug != R.Point.parse(r2.name.replace("r2", "r4")).slug
+    want = 1.2915 + 320 / 1000 * 2.25 + 36 / 192 * 2.5  # codes + 2-bit residuals, positions
+    assert R.bits_all_in(R.Point.parse("tasq:64+256:S36/192a12e:r2"), (1.333, 1.25), 1000, 64) == pytest.approx(want, abs=1e-3)
     with pytest.raises(ValueError):
         R.Point.parse("tasq:64+256:x8:s3")
 
@@ -475,6 +479,31 @@ def test_res4_side_copies():
     x8 = sal.fp8_rows(x)
     assert float((y - x).norm()) < float((coded - x).norm()) / 8 and float((x8 - x).norm()) < float((coded - x).norm())
 
+
+
+def test_res2_side_copies():
+    """res2 rows: the codes' reading plus the residual as the nearest of four Lloyd-Max levels
+    times the row's RMS, four 2-bit indices a byte (channel 4i + j in bits 2j..2j+1); 2.25 bits
+    per element; nearer x than the codes, farther than res4; not a served format."""
+    from sglang_tasq.config import EXACT_FORMATS
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 2, 50)[:, None, None]
+    coded = x + 0.3 * x.abs().mean() * torch.randn(50, 3, 64, generator=g)
+    crumbs, scale = sal.res2_encode(x, coded)
+    assert crumbs.shape == (50, 3, 16) and crumbs.dtype == torch.uint8 and scale.dtype == torch.float16
+    r = (x - coded) / scale.float()[..., None]
+    idx = (r[..., None] - sal.RES2_LEVELS).abs().argmin(-1)  # the nearest level, by hand
+    by_hand = sum(idx[..., j::4] << (2 * j) for j in range(4)).to(torch.uint8)
+    assert torch.equal(crumbs, by_hand)
+    y = sal.res2_decode(crumbs, scale, coded)
+    assert torch.allclose(y, coded + sal.RES2_LEVELS[idx] * scale.float()[..., None])
+    assert torch.equal(sal.residual_rows("res2", x, coded), sal.res2_rows(x, coded))
+    assert sal.copy_bits("res2", 64) == 2.25 and "res2" not in EXACT_FORMATS
+    e2, e4, e0 = ((t - x).norm() for t in (y, sal.res4_rows(x, coded), coded))
+    assert float(e4) < float(e2) < float(e0) / 2
+    with pytest.raises(ValueError, match="residual format"):
+        sal.residual_rows("fp8", x, coded)
 
 def test_summary_pairs_points_over_the_same_samples():
     def item(name, scores):

@@ -96,9 +96,10 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     gather): bf16 bits (uint16), or with a non-empty ``fp8_lut`` (float8_e4m3fn code -> f32,
     256 entries) fp8 codes (uint8) times the entry's fp16 scale per head (``win_ks``/``win_vs``
     [E + 1, H], their bits), or with a 16-entry ``fp8_lut`` (nibble -> nibble - 8) a res4 entry:
-    the slot's own codes decoded (as outside the windows, in native order) plus the residual,
-    two nibbles a byte (channel ``2i`` low; ``win_k``/``win_v`` [E + 1, 1, H, d / 2]) times the
-    entry's scale (:func:`sglang_tasq.salient.res4_encode`). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
+    the slot's own codes (read as outside the windows: the key's logit through the permuted,
+    vectorized path) plus the residual, two nibbles a byte (channel ``2i`` low; ``win_k``/``win_v``
+    [E + 1, 1, H, d / 2]) times the entry's scale (:func:`sglang_tasq.salient.res4_encode`), whose
+    logit is added in native pair order (q . R_t (codes + residual) = q . R_t codes + q . R_t residual). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
     fastmath: sums are reassociated (vectorized)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
@@ -143,12 +144,10 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         iwa = np.empty(P, np.float32)
         iwb = np.empty(P, np.float32)
         pidx = np.empty(P, np.int64)  # native RoPE pair of each permuted pair
-        pidb = np.empty(P, np.int64)  # native channel of each pair's second element (res4 entries)
         for j in range(Gk):
             for l in range(hg):
                 p = j * hg + l
                 pidx[p] = kperm[h, j * gk + l]
-                pidb[p] = kperm[h, j * gk + hg + l]
                 iwa[p] = np.float32(1.0) / kw[h, j * gk + l]
                 iwb[p] = np.float32(1.0) / kw[h, j * gk + hg + l]
                 c0 = np.float32(1.0)
@@ -172,7 +171,6 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         # prefetched (a layer's codebooks are not in cache: the loads of the passes below overlap)
         wid = np.empty(na, np.int64)
         sc = np.empty(na, np.float32)
-        sr = np.empty(na, np.float32)  # the key scale alone (res4 entries decode their codes in native units)
         zk = np.empty((na, Gk), np.int64)
         zv = np.empty((na, Gv), np.int64)
         for i in range(nt):
@@ -185,7 +183,6 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     o = code_bytes_k + 2 * (h // hps)
                     s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
                 sc[i] = s * sm_scale
-                sr[i] = s
                 _codes_row(kbuf, slot, h * Gk, Gk, bits_k, zk, i)
                 _codes_row(vbuf, slot, h * Gv, Gv, bits_v, zv, i)
                 for j in range(Gk):
@@ -195,7 +192,6 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         logits = np.empty((rep, na), np.float32)
         ka = np.empty(P, np.float32)
         kb_ = np.empty(P, np.float32)
-        kn = np.empty(d, np.float32)
         ra = np.empty(P, np.float32)
         rb = np.empty(P, np.float32)
         # the codeword halves of a block of tokens staged first (vector copies when g = 8), read
@@ -221,19 +217,8 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
             for i in range(i0, i1):
                 t = t_lo + i
                 widx = wid[i]
-                if widx >= 0:  # exact entry: native pair order (contiguous halves and RoPE rows)
-                    if res4:  # the slot's codes in native units and order, plus the residual
-                        u = i - i0
-                        sk = sr[i]
-                        for p in range(P):
-                            kn[pidx[p]] = KA[u, p] * iwa[p] * sk
-                            kn[pidb[p]] = KB[u, p] * iwb[p] * sk
-                        s8 = _half_bits_to_f32(win_ks[widx, h])
-                        for p in range(P):
-                            c2 = P + p
-                            ka[p] = kn[p] + fp8_lut[(win_k[widx, 0, h, p >> 1] >> ((p & 1) << 2)) & 15] * s8
-                            kb_[p] = kn[c2] + fp8_lut[(win_k[widx, 0, h, c2 >> 1] >> ((c2 & 1) << 2)) & 15] * s8
-                    elif fp8:
+                if widx >= 0 and not res4:  # exact entry: native pair order (contiguous halves and RoPE rows)
+                    if fp8:
                         s8 = _half_bits_to_f32(win_ks[widx, h])
                         for p in range(P):
                             ka[p] = fp8_lut[win_k[widx, 0, h, p]] * s8
@@ -271,6 +256,20 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                     for p in range(P):
                         acc += xa[r, p] * ra[p] + xb[r, p] * rb[p]
                     logits[r, i] = acc * s
+                if widx >= 0:  # a res4 entry: its codes (above) + the residual, in native pair order
+                    s8 = _half_bits_to_f32(win_ks[widx, h])
+                    for c in range(P // 2):  # byte c: channels 2c (low nibble), 2c + 1
+                        y0 = win_k[widx, 0, h, c]  # channels 2c, 2c + 1 (first halves of pairs)
+                        y1 = win_k[widx, 0, h, P // 2 + c]  # channels P + 2c, P + 2c + 1 (second halves)
+                        ka[2 * c] = fp8_lut[y0 & 15] * s8
+                        ka[2 * c + 1] = fp8_lut[y0 >> 4] * s8
+                        kb_[2 * c] = fp8_lut[y1 & 15] * s8
+                        kb_[2 * c + 1] = fp8_lut[y1 >> 4] * s8
+                    for r in range(rep):
+                        acc = np.float32(0.0)
+                        for p in range(P):
+                            acc += cos_t[t, p] * (na_[r, p] * ka[p] + nb_[r, p] * kb_[p]) + sin_t[t, p] * (nb_[r, p] * ka[p] - na_[r, p] * kb_[p])
+                        logits[r, i] += acc * sm_scale
         for r in range(rep):
             m = -_BIG
             for i in range(nt):
@@ -287,13 +286,19 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         for i in range(nt):
             widx = wid[i]
             if widx >= 0 and res4:  # the value row's codewords plus the residual
-                for j in range(Gv):
-                    z = zv[i, j]
-                    for l in range(gv):
-                        vt[j * gv + l] = vcb[h, j, z, l]
+                if gv == 8:
+                    for j in range(Gv):
+                        _copy8(vt, (j * 8,), vcb, (h, j, zv[i, j], 0))
+                else:
+                    for j in range(Gv):
+                        z = zv[i, j]
+                        for l in range(gv):
+                            vt[j * gv + l] = vcb[h, j, z, l]
                 s8 = _half_bits_to_f32(win_vs[widx, h])
-                for c in range(d):
-                    vt[c] += fp8_lut[(win_v[widx, 0, h, c >> 1] >> ((c & 1) << 2)) & 15] * s8
+                for c in range(d // 2):
+                    bt = win_v[widx, 0, h, c]
+                    vt[2 * c] += fp8_lut[bt & 15] * s8
+                    vt[2 * c + 1] += fp8_lut[bt >> 4] * s8
             elif widx >= 0:
                 if fp8:
                     s8 = _half_bits_to_f32(win_vs[widx, h])

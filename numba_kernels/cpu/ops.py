@@ -173,6 +173,9 @@ class DecodePlan:
         if win_k is None or not self.entry_of.shape[0]:
             wk = wv = _NO_RING[0]
         elif fmt != "bf16":
+            if fmt == "res4" and d % 4:
+                raise ValueError(f"res4 window entries need head_dim a multiple of 4 (the kernel reads a "
+                                 f"byte of each half of a RoPE pair at once), got {d}")
             for w in (win_k, win_v):
                 if isinstance(w, torch.Tensor) and w.dtype != torch.uint8:
                     raise TypeError(f"{fmt} window entries must be uint8 codes, got {w.dtype}")

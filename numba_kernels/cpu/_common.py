@@ -3,6 +3,7 @@ casts (fp16 / bf16 <-> float32, as torch rounds), and the numpy view helpers of 
 wrappers (:mod:`.ops`)."""
 from __future__ import annotations
 
+import math
 import os
 import types as pytypes
 
@@ -158,6 +159,35 @@ def _fp8_store_row(src, t, dst, r, wi, sdst):
             y = min(max(y, np.float32(-448.0)), np.float32(448.0))
             dst[r, wi, h, c] = _f32_to_fp8_bits(y)
 
+
+
+@njit(cache=True)
+def _res4_store_row(src, t, coded, dst, r, wi, sdst):
+    """The residual src[t] - coded [H, d] f32 -> 4-bit steps at dst[r, wi] [H, d / 2] (two a
+    byte, channel 2i low) and one fp16 scale (absmax / 7, >= 2^-24) per head at sdst[r] [H]
+    (bits): :func:`sglang_tasq.salient.res4_encode`, bit for bit (round half to even, as
+    torch.round). Compiled without fastmath (the divisions round as torch's)."""
+    H, d = src.shape[1], src.shape[2]
+    q = np.empty(d, np.int32)
+    for h in range(H):
+        a = np.float32(0.0)
+        for c in range(d):
+            a = max(a, abs(src[t, h, c] - coded[h, c]))
+        sc = a / np.float32(7.0)
+        if sc < np.float32(2.0 ** -24):
+            sc = np.float32(2.0 ** -24)
+        sb = _f32_to_half_bits(sc)
+        sdst[r, h] = sb
+        sf = _half_bits_to_f32(sb)
+        for c in range(d):
+            y = (src[t, h, c] - coded[h, c]) / sf
+            f = np.float32(math.floor(y))
+            e = y - f
+            if e > np.float32(0.5) or (e == np.float32(0.5) and int(f) % 2 != 0):
+                f += np.float32(1.0)
+            q[c] = min(max(int(f), -7), 7) + 8
+        for i in range(d // 2):
+            dst[r, wi, h, i] = np.uint8(q[2 * i] | (q[2 * i + 1] << 4))
 
 # ---- numpy views of the host wrappers' arguments ---------------------------------------------
 def _as_f32(t: torch.Tensor) -> np.ndarray:

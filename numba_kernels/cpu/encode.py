@@ -1,6 +1,6 @@
 """Fused pool encode kernels: post-RoPE keys un-rotated and tailored (``_tailor_keys``), codes
 packed into pool rows with the key scales and window tokens copied to their exact entries (bf16,
-or fp8 with a scale per head)
+fp8 with a scale per head, or res4: what their codes miss in 4-bit steps)
 (``_write_rows``), and a decode step's few tokens in one call (``_encode_small``). Launched
 through :class:`~numba_kernels.cpu.ops.PoolEncoder`; the nearest-codeword search is
 :mod:`.search`'s, the packing loop :mod:`.bitpack`'s.
@@ -12,7 +12,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import _f32_to_bf16_bits, _f32_to_half_bits, _fp8_store_row, _half_bits_to_f32, njit_variants
+from ._common import (_f32_to_bf16_bits, _f32_to_half_bits, _fp8_store_row, _half_bits_to_f32, _res4_store_row,
+                      njit_variants)
 from .bitpack import _pack_row
 from .search import _nearest_row
 
@@ -73,10 +74,15 @@ _tailor_keys, _tailor_keys_serial = njit_variants(_tailor_keys_py)
 
 
 def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf,
-                   kpre, v, wring, widx, win_k, win_v, fp8, win_ks, win_vs):
+                   kpre, v, wring, widx, win_k, win_v, wfmt, win_ks, win_vs, kcb, kperm, vcb):
     """Pack codes [T, n] into pool rows ``loc`` (key row: codes ++ fp16 scale bytes, little
-    endian), and store the window tokens (wring[t] > 0) at [wring[t], widx[t]]: as bf16, or
-    (``fp8``) as fp8 e4m3 codes with an fp16 scale per head in win_ks/win_vs [E + 1, H]."""
+    endian), and store the window tokens (wring[t] > 0) at [wring[t], widx[t]]: as bf16
+    (``wfmt`` 0), as fp8 e4m3 codes with an fp16 scale per head in win_ks/win_vs [E + 1, H]
+    (``wfmt`` 1), or (``wfmt`` 2, res4) as what the token's codes miss, in 4-bit steps with an
+    fp16 scale per head (win_k/win_v [E + 1, 1, H, d / 2]): the codes read back as the
+    reference decode reads them (key codeword of the un-tailored codebook ``kcb`` [H, Gk, K, gk]
+    times the head's scale, at its native channel ``kperm[h, j * gk + l]``; value codeword of
+    ``vcb`` [H, Gv, K, gv]), then :func:`._common._res4_store_row`."""
     T, nk = kcodes.shape
     nv = vcodes.shape[1]
     Hs = scale_bits.shape[1]
@@ -89,7 +95,26 @@ def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc
             kbuf[slot, code_bytes_k + 2 * hs + 1] = np.uint8(scale_bits[t, hs] >> 8)
         _pack_row(vcodes, t, nv, bits_v, vbuf, slot, vbuf.shape[1])
         r = wring[t]
-        if r > 0 and fp8:
+        if r > 0 and wfmt == 2:
+            Gk, gk = kcb.shape[1], kcb.shape[3]
+            Gv, gv = vcb.shape[1], vcb.shape[3]
+            ck = np.empty((H, d), np.float32)
+            cv = np.empty((H, d), np.float32)
+            for h in range(H):
+                s = np.float32(1.0)
+                if Hs > 0:
+                    s = _half_bits_to_f32(scale_bits[t, h // (H // Hs)])
+                for j in range(Gk):
+                    z = kcodes[t, h * Gk + j]
+                    for l in range(gk):
+                        ck[h, kperm[h, j * gk + l]] = kcb[h, j, z, l] * s
+                for j in range(Gv):
+                    z = vcodes[t, h * Gv + j]
+                    for l in range(gv):
+                        cv[h, j * gv + l] = vcb[h, j, z, l]
+            _res4_store_row(kpre, t, ck, win_k, r, widx[t], win_ks)
+            _res4_store_row(v, t, cv, win_v, r, widx[t], win_vs)
+        elif r > 0 and wfmt == 1:
             _fp8_store_row(kpre, t, win_k, r, widx[t], win_ks)
             _fp8_store_row(v, t, win_v, r, widx[t], win_vs)
         elif r > 0:
@@ -105,7 +130,8 @@ _write_rows, _write_rows_serial = njit_variants(_write_rows_py)
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"})
 def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbr, kcn, vcbr, vcn, chunk,
-                  bits_k, bits_v, code_bytes_k, hs, loc, kbuf, vbuf, wring, widx, win_k, win_v, fp8, win_ks, win_vs):
+                  bits_k, bits_v, code_bytes_k, hs, loc, kbuf, vbuf, wring, widx, win_k, win_v, wfmt, win_ks, win_vs,
+                  kcb, vcb):
     """A decode step's few tokens in one call (one dispatch instead of five): the serial
     :func:`_tailor_keys_serial`, the finiteness check, the nearest codeword of every (token,
     key group) and (token, value group) row spread over the threads, the serial
@@ -139,5 +165,5 @@ def _encode_small(k, v, pos, cos_t, sin_t, w, kperm, scale_mode, gk, gv, kcbr, k
         else:
             vcodes[t, n - Nk] = _nearest_row(vx, t, n - Nk, vcbr, vcn, chunk, dist, lanes, lidx)
     _write_rows_serial(kcodes, sbits, vcodes, bits_k, bits_v, code_bytes_k, loc, kbuf, vbuf, kpre, v,
-                       wring, widx, win_k, win_v, fp8, win_ks, win_vs)
+                       wring, widx, win_k, win_v, wfmt, win_ks, win_vs, kcb, kperm, vcb)
     return True

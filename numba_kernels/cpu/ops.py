@@ -19,6 +19,7 @@ from .search import _ARGMIN_CHUNK, _search, prepare
 _NO_KEPT = np.zeros(0, np.uint8)  # no kept slots (the window rule alone)
 _NO_SCALES = np.zeros((1, 1), np.uint16)  # bf16 exact entries: no per-entry scales
 _NO_LUT = np.zeros(0, np.float32)  # ... and no fp8 code table
+_NO_BOOK = np.zeros((1, 1, 1, 1), np.float32)  # not a res4 write: no raw codebook to complete
 # float8_e4m3fn code -> its value (the fp8 exact store's entries are code x fp16 scale)
 FP8_LUT = FP8_VALUES.numpy()
 # res4 nibble -> its step (nibble - 8): a res4 entry is the slot's codes + step x fp16 scale
@@ -255,7 +256,7 @@ class PoolEncoder:
         if cb.k_mix is not None:
             raise NotImplementedError("the CPU pool encoder serves diagonal (or no) key weighting; "
                                       "the dense-weighting ablation uses the reference path")
-        self.cb, self.cfg, self.layers = cb, cb.config, {}
+        self.cb, self.cfg, self.layers, self.raw_books = cb, cb.config, {}, {}
 
     def _layer(self, layer: int):
         tab = self.layers.get(layer)
@@ -267,6 +268,16 @@ class PoolEncoder:
                 prepare(cb.tailored_k_codebook(layer)), prepare(cb.v_codebook[layer]))
         return tab
 
+    def _raw(self, layer: int):
+        """(key, value) codebooks of ``layer`` as the reference decode reads them (un-tailored
+        keys), float32 numpy: what a res4 window write completes."""
+        raw = self.raw_books.get(layer)
+        if raw is None:
+            cb = self.cb
+            raw = self.raw_books[layer] = tuple(t[layer].detach().float().contiguous().numpy()
+                                                for t in (cb.k_codebook, cb.v_codebook))
+        return raw
+
     def prepared(self, layer: int):
         """(keys, values) :func:`prepare` output of ``layer`` (for :class:`DecodeTables`)."""
         _, _, kprep, vprep = self._layer(layer)
@@ -276,13 +287,16 @@ class PoolEncoder:
                     cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor, k_rows: torch.Tensor,
                     v_rows: torch.Tensor, code_bytes_k: int, wring: torch.Tensor | None = None,
                     widx: torch.Tensor | None = None, win_k: torch.Tensor | None = None,
-                    win_v: torch.Tensor | None = None, win_scales=None) -> bool:
+                    win_v: torch.Tensor | None = None, win_scales=None, win_format: str | None = None) -> bool:
         """k_post/v [T, H, d] (any float dtype), positions [T] (< len(cos)), loc [T] slots of
         k_rows/v_rows (uint8 pool buffers, written in place); optional window targets wring [T]
         (exact-store entry, 0 = none) and widx [T] (0) into bf16 entries win_k/win_v [E + 1, 1, H, d]
         (tensors or uint16 numpy views; the pool passes views made once), or with ``win_scales``
         (key, value scales [E + 1, H] fp16, or their uint16 views) into an fp8 store: win_k/win_v
-        uint8 float8_e4m3fn codes (:func:`sglang_tasq.salient.fp8_encode`, bit for bit).
+        uint8 float8_e4m3fn codes (:func:`sglang_tasq.salient.fp8_encode`, bit for bit), or with
+        ``win_format="res4"`` (and ``win_scales``) into a res4 store: win_k/win_v [E + 1, 1, H, d / 2]
+        uint8, what the codes just written read as by the reference decode, completed in 4-bit
+        steps (:func:`sglang_tasq.salient.res4_encode` over ``pool.read_codes``, bit for bit).
 
         Returns False, having written nothing, when a tailored key or a value is not finite
         (the caller then uses the reference path, whose argmin defines that case)."""
@@ -301,12 +315,24 @@ class PoolEncoder:
         cosn, sinn = _arr(cos, _as_f32), _arr(sin, _as_f32)
         kb, vb = _arr(k_rows, torch.Tensor.numpy), _arr(v_rows, torch.Tensor.numpy)
         Hs = scales_per_token(cfg, H)
-        fp8 = win_scales is not None and wring is not None
+        fmt = win_format or ("fp8" if win_scales is not None else "bf16")
+        if fmt not in WIN_FORMATS:
+            raise ValueError(f"window format {fmt!r}: allowed {WIN_FORMATS}")
+        if wring is not None and (fmt != "bf16") != (win_scales is not None):
+            raise ValueError(f"{fmt} window entries with{'out' if win_scales is None else ''} scales: "
+                             f"bf16 takes none, fp8 and res4 their (key, value) scales")
+        scaled = fmt != "bf16" and wring is not None  # uint8 entries with fp16 scales: fp8 or res4
+        wfmt = {"bf16": 0, "fp8": 1, "res4": 2}[fmt] if wring is not None else 0
+        kraw = vraw = _NO_BOOK
+        if wfmt == 2:
+            if d % 2:
+                raise ValueError(f"res4 window entries need an even head_dim, got {d}")
+            kraw, vraw = self._raw(layer)
         wks = wvs = _NO_SCALES
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]
-        elif fp8:
+        elif scaled:
             wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
             wk, wv = _arr(win_k, torch.Tensor.numpy), _arr(win_v, torch.Tensor.numpy)
             wks, wvs = (_arr(t, _u16) for t in win_scales)
@@ -316,7 +342,8 @@ class PoolEncoder:
         if T < _SERIAL_BELOW:  # a decode step: one call
             return _encode_small(kf, vf, pos, cosn, sinn, w, kperm, SCALE_MODE_ID[cfg.scale], gk, gv,
                                   kprep[2], kprep[1], vprep[2], vprep[1], _ARGMIN_CHUNK, bits_k,
-                                  cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv, fp8, wks, wvs)
+                                  cfg.code_bits_v, code_bytes_k, Hs, locn, kb, vb, wr, wi, wk, wv, wfmt, wks, wvs,
+                                  kraw, vraw)
         kpre = np.empty((T, H, d), np.float32)
         x = np.empty((T, H * (d // gk), gk), np.float32)
         sbits = np.zeros((T, Hs), np.uint16)
@@ -328,5 +355,5 @@ class PoolEncoder:
         _search(x, kprep, kcodes)
         _search(vf.reshape(T, H * (d // gv), gv), vprep, vcodes)
         _write_rows(kcodes, sbits, vcodes, bits_k, cfg.code_bits_v, code_bytes_k,
-                    locn, kb, vb, kpre, vf, wr, wi, wk, wv, fp8, wks, wvs)
+                    locn, kb, vb, kpre, vf, wr, wi, wk, wv, wfmt, wks, wvs, kraw, kperm, vraw)
         return True

@@ -333,20 +333,16 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             cos, sin = self.rope_table(int(positions.max()) + 1)
             _, _, cos_np, sin_np = self._rope
             wr = wi = None
-            res4 = self.exact is not None and self.exact.fmt == "res4"
-            if win_targets is not None and not res4:  # (res4 entries: written below, over the codes)
+            if win_targets is not None:  # window entries written in the kernel (res4: over the codes just made)
                 wr, wi, _ = win_targets
             scales = (self._np["wks"][lid], self._np["wvs"][lid]) if self._np["wks"] is not None else None
             done = self._encoder.encode_into(
                 layer.layer_id, cache_k.reshape(T, H, d), cache_v.reshape(T, H, d), positions, cos_np, sin_np, loc,
                 self._np["k"][lid], self._np["v"][lid], self.code_bytes_k_of[lid], wr, wi,
                 self._np["wk"][lid] if wr is not None else None, self._np["wv"][lid] if wr is not None else None,
-                win_scales=scales if wr is not None else None)
+                win_scales=scales if wr is not None else None,
+                win_format=self.exact.fmt if self.exact is not None else None)
             if done:
-                if res4 and win_targets is not None:
-                    k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling,
-                                       inverse=True)
-                    self.write_windows(lid, k_pre, cache_v.reshape(T, H, d), win_targets, loc)
                 return
         k_pre = apply_rope(cache_k.reshape(T, H, d), positions, cb.inv_freq, cb.attention_scaling, inverse=True)
         v = cache_v.reshape(T, H, d)

@@ -244,6 +244,50 @@ def test_fp8_store_holds_the_encoded_copies(kernels):
     assert store == (ex.capacity + 1) * (per - windows.entry_bytes(2, 16, 2))
 
 
+
+@pytest.mark.parametrize("T", [5, 70], ids=["decode_step", "batched"])
+def test_res4_store_completes_the_codes_it_just_wrote(T):
+    """A res4 exact store written by the fused encoder (the serial decode-step kernel below 64
+    tokens, the batched kernels above) holds, for each in-window token, what
+    :func:`salient.res4_encode` makes of its pre-RoPE key and value over what that token's codes
+    read as (``pool.read_codes``, the reference decode), bit for bit; the plain-torch pool holds
+    the same wherever the two wrote the same codes (they differ only on a float near-tie)."""
+    import types
+
+    from sglang_tasq.rope import apply_rope
+    from sglang_tasq.salient import res4_encode
+
+    (pool, ref), _ = _tasq_pools(window_rows=8, kernels=(True, False), exact_format="res4")
+    gen = torch.Generator().manual_seed(21)
+    n0, n1 = T - min(10, T // 2), min(10, T // 2)  # request 0: the first tokens; request 1: ten at 900
+    positions = torch.cat([torch.arange(n0), torch.arange(900, 900 + n1)])
+    req_rows = torch.cat([torch.zeros(n0), torch.ones(n1)]).long()
+    seq_lens = torch.cat([torch.full((n0,), n0), torch.full((n1,), 900 + n1)])
+    loc = torch.randperm(95, generator=gen)[:T] + 1
+    k = (torch.randn(T, 32, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(T, 32, generator=gen).to(torch.bfloat16)
+    for p in (pool, ref):
+        p.set_kv_buffer(types.SimpleNamespace(layer_id=1), loc, k, v, positions=positions, req_rows=req_rows,
+                        seq_lens=seq_lens)
+    inw = pool.in_window(positions, seq_lens)
+    ent = pool.exact.entry_of[loc[inw]]
+    assert bool((ent > 0).all()) and torch.equal(pool.exact.entry_of, ref.exact.entry_of)
+    cb = pool.codebooks
+    k_pre = apply_rope(k.view(T, 2, 16)[inw], positions[inw], cb.inv_freq, cb.attention_scaling, inverse=True)
+    same = torch.ones(int(inw.sum()), dtype=torch.bool)
+    for p in (pool, ref):
+        kc, vc = p.read_codes(1, loc[inw])
+        (kn, ks), (vn, vs) = res4_encode(k_pre, kc), res4_encode(v.view(T, 2, 16)[inw].float(), vc)
+        ex = p.exact
+        assert torch.equal(ex.k[1][ent], kn) and torch.equal(ex.k_scale[1][ent], ks)
+        assert torch.equal(ex.v[1][ent], vn) and torch.equal(ex.v_scale[1][ent], vs)
+        same &= (p.k_buffer[1][loc[inw]] == pool.k_buffer[1][loc[inw]]).all(1)
+        same &= (p.v_buffer[1][loc[inw]] == pool.v_buffer[1][loc[inw]]).all(1)
+    assert float(same.float().mean()) >= 0.8
+    for name in ("k", "v", "k_scale", "v_scale"):
+        assert torch.equal(getattr(pool.exact, name)[1][ent[same]], getattr(ref.exact, name)[1][ent[same]])
+    assert bool((pool.exact.k[1][ent] != 0x88).any())  # residuals, not all zero steps
+
 def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
     """A decode step's few tokens go through one call (``_encode_small``): the same
     rows and exact entries as the batched kernels (forced by running the same tokens padded

@@ -48,7 +48,7 @@ class _Batch(types.SimpleNamespace):
     """The ForwardBatch fields the backend reads."""
 
 
-def _tasq_setup(art, B: int, ctx: int, share: bool):
+def _tasq_setup(art, B: int, ctx: int, share: bool, through_backend: bool = False):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -79,8 +79,12 @@ def _tasq_setup(art, B: int, ctx: int, share: bool):
     md = be.forward_metadata
     for layer in layers:  # the prompt's KV stored as a prefill stores it: real encodes, window entries
         k = torch.randn(B * ctx, H * D, generator=gen).bfloat16()
-        pool.set_kv_buffer(layer, loc, k, torch.randn(B * ctx, H * D, generator=gen).bfloat16(), positions=md["positions"],
-                           req_rows=md["rows"], seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
+        v = torch.randn(B * ctx, H * D, generator=gen).bfloat16()
+        if through_backend:  # the whole extend forward: with salient tokens, the echo and the kept blocks
+            be._forward(torch.randn(B * ctx, HQ * D, generator=gen).bfloat16(), k, v, layer, fb, True)
+        else:
+            pool.set_kv_buffer(layer, loc, k, v, positions=md["positions"], req_rows=md["rows"],
+                               seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
     new = torch.arange(1 + B * ctx, 1 + B * ctx + B)
     for b in range(B):
         r2t.req_to_token[rows[b], ctx] = int(new[b])
@@ -172,8 +176,18 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tables-ablation", action="store_true",
                     help="also time the decode kernel with its own copy of the codebook tables")
+    ap.add_argument("--also", nargs="+", default=[], metavar="NAME=PATH",
+                    help="more TaSQ artifacts timed in the same round-robin, each prompt prefilled through the "
+                         "backend's extend forward (salient tokens: echo and kept blocks as served), e.g. "
+                         "salient_fp8=artifacts/smollm2_salient_fp8/tasq.json")
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
+    also = {}
+    for spec in a.also:
+        name, sep, apath = spec.partition("=")
+        if not sep or not name or name in ("tasq", "bf16", "tasq_separate_tables") or not Path(apath).is_file():
+            ap.error(f"--also {spec!r}: write NAME=PATH to a tasq.json (NAME not tasq / bf16)")
+        also[name] = Path(apath)
     path = a.tasq_config or next((p for p in DEFAULT_ARTIFACTS if p.is_file()), None)
     if path is None or not Path(path).is_file():
         ap.error("needs --tasq-config PATH (no calibrated artifact found; run `make calibrate`)")
@@ -182,9 +196,11 @@ def main(argv=None) -> int:
 
     from .serving import hardware
 
-    art = load_artifact(str(path))
-    if (art.codebooks.num_layers, art.codebooks.num_kv_heads) != (L, H):
-        ap.error(f"{path}: not a SmolLM2-135M artifact (layers/KV heads {(art.codebooks.num_layers, art.codebooks.num_kv_heads)})")
+    arts = {name: load_artifact(str(p)) for name, p in {"tasq": path, **also}.items()}
+    for name, x in arts.items():
+        if (x.codebooks.num_layers, x.codebooks.num_kv_heads) != (L, H):
+            ap.error(f"{name}: not a SmolLM2-135M artifact (layers/KV heads {(x.codebooks.num_layers, x.codebooks.num_kv_heads)})")
+    art = arts["tasq"]
     cpu.set_threads()
     bw = read_bandwidth()
     print(f"[cpu_step] memory read bandwidth {bw:.1f} GB/s", flush=True)
@@ -195,6 +211,8 @@ def main(argv=None) -> int:
             steps = {"tasq": _tasq_setup(art, B, ctx, True), "bf16": _bf16_setup(B, ctx)}
             if a.tables_ablation:
                 steps["tasq_separate_tables"] = _tasq_setup(art, B, ctx, False)
+            for name in also:
+                steps[name] = _tasq_setup(arts[name], B, ctx, True, through_backend=True)
             res = measure(steps, a.reps)
             nb = step_bytes(art.config, B, ctx + 1)
             row = {"batch": B, "ctx": ctx, **res, "bytes": nb,
@@ -204,11 +222,13 @@ def main(argv=None) -> int:
                 row[m + "_gb_s"], row[m + "_bw_share"] = round(gbs, 2), round(gbs / bw, 3)
             if a.tables_ablation:
                 row["separate_vs_shared"] = round(res["tasq_separate_tables"]["median_ms"] / res["tasq"]["median_ms"], 2)
+            for name in also:
+                row[name + "_vs_tasq"] = round(res[name]["median_ms"] / res["tasq"]["median_ms"], 3)
             rows.append(row)
             del steps
     out = {"hardware": hardware(), "torch_threads": torch.get_num_threads(), "artifact": os.path.relpath(path, ROOT),
            "read_bandwidth_gb_s": round(bw, 1), "model_shapes": dict(layers=L, q_heads=HQ, kv_heads=H, head_dim=D),
-           "rows": rows}
+           "also": {name: os.path.relpath(p, ROOT) for name, p in also.items()}, "rows": rows}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "cpu_step.json").write_text(json.dumps(out, indent=1) + "\n")
     md = to_markdown(out, a.reps)
@@ -232,6 +252,15 @@ def to_markdown(out: dict, reps: int) -> str:
         md.append(f"| {r['batch']} x {r['ctx']} | {r['tasq']['median_ms']} | {r['bf16']['median_ms']} | "
                   f"{r['tasq_vs_bf16']}x | {b['tasq'] / 1e6:.1f} ({b['tasq_codebooks'] / 1e6:.1f}) | {b['bf16'] / 1e6:.1f} | "
                   f"{r['tasq_gb_s']} ({100 * r['tasq_bw_share']:.0f}%) | {r['bf16_gb_s']} ({100 * r['bf16_bw_share']:.0f}%) |")
+    if out.get("also"):
+        names = list(out["also"])
+        md += ["", "Other artifacts, same round-robin (prompt prefilled through the backend's extend forward): "
+               + "; ".join(f"`{n}` = {out['also'][n]}" for n in names), "",
+               "| batch x ctx | TaSQ ms/step | " + " | ".join(f"{n} ms/step ({n} / TaSQ)" for n in names) + " |",
+               "|---|---|" + "---|" * len(names)]
+        for r in out["rows"]:
+            md.append(f"| {r['batch']} x {r['ctx']} | {r['tasq']['median_ms']} | "
+                      + " | ".join(f"{r[n]['median_ms']} ({r[n + '_vs_tasq']}x)" for n in names) + " |")
     if any("separate_vs_shared" in r for r in out["rows"]):
         md += ["", "Decode tables ablation (the kernel's own copy of each layer's codebooks), separate / shared: "
                + ", ".join(f"{r['batch']} x {r['ctx']}: {r['separate_vs_shared']}x" for r in out["rows"])]

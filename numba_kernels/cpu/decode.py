@@ -345,3 +345,36 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
             inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
             for c in range(d):
                 out[b, h * rep + r, c] = o[c] * inv
+
+
+@njit(cache=True, nogil=True)
+def _res4_keys(ent, owner, kbuf, code_bytes_k, bits_k, kcb, kperm, win_k, win_ks, out):
+    """Pre-RoPE keys of res4 exact entries ``ent`` [n] -> out [n, H, d] f32: each entry's slot's
+    (``owner[e]``) key codes read as the reference decode reads them (codeword of the
+    un-tailored codebook ``kcb`` [H, Gk, K, gk] times the head's fp16 scale, at its native channel
+    ``kperm[h, j * gk + l]``), plus the residual's steps times the entry's scale (``win_k``
+    [E + 1, 1, H, d / 2] nibbles, ``win_ks`` [E + 1, H] fp16 bits): ``ExactStore.read_k`` of a res4
+    store (:func:`sglang_tasq.salient.res4_decode` over ``pool.read_codes``), bit for bit. Without
+    fastmath: the products and sums round as torch's."""
+    H, Gk, _, gk = kcb.shape
+    n_scales = (kbuf.shape[1] - code_bytes_k) // 2
+    hps = H // n_scales if n_scales > 0 else 1
+    half = win_k.shape[3]
+    z = np.empty((1, Gk), np.int64)
+    for i in range(ent.shape[0]):
+        e = ent[i]
+        slot = owner[e]
+        for h in range(H):
+            s = np.float32(1.0)
+            if n_scales > 0:
+                o = code_bytes_k + 2 * (h // hps)
+                s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
+            _codes_row(kbuf, slot, h * Gk, Gk, bits_k, z, 0)
+            for j in range(Gk):
+                for l in range(gk):
+                    out[i, h, kperm[h, j * gk + l]] = kcb[h, j, z[0, j], l] * s
+            sc = _half_bits_to_f32(win_ks[e, h])
+            for c in range(half):
+                b = np.int32(win_k[e, 0, h, c])
+                out[i, h, 2 * c] += np.float32((b & 15) - 8) * sc
+                out[i, h, 2 * c + 1] += np.float32((b >> 4) - 8) * sc

@@ -12,7 +12,7 @@ from sglang_tasq.packing import SCALE_MODE_ID, packed_row_bytes, scales_per_toke
 from sglang_tasq.salient import FP8_VALUES
 
 from ._common import _NO_RING, _SERIAL_BELOW, _arr, _as_f32, _np, _u16
-from .decode import _decode_attention
+from .decode import _decode_attention, _res4_keys
 from .encode import _encode_small, _tailor_keys, _write_rows
 from .search import _ARGMIN_CHUNK, _search, prepare
 
@@ -277,6 +277,20 @@ class PoolEncoder:
             raw = self.raw_books[layer] = tuple(t[layer].detach().float().contiguous().numpy()
                                                 for t in (cb.k_codebook, cb.v_codebook))
         return raw
+
+    def res4_keys(self, layer: int, ent: torch.Tensor, owner: torch.Tensor, k_rows, code_bytes_k: int,
+                  win_k, win_ks) -> torch.Tensor:
+        """Pre-RoPE keys [n, H, d] f32 of res4 exact entries ``ent`` [n] of ``layer`` (``owner``
+        [E + 1] entry -> slot; ``k_rows`` the layer's packed key rows; ``win_k`` [E + 1, 1, H, d / 2]
+        uint8, ``win_ks`` [E + 1, H] fp16 or their numpy views): ``ExactStore.read_k`` of a res4
+        store in one Numba call, bit for bit (what the salient echo reads each step)."""
+        kraw, _ = self._raw(layer)
+        _, kperm, _, _ = self._layer(layer)
+        H, Gk, _, gk = kraw.shape
+        out = np.empty((ent.shape[0], H, Gk * gk), np.float32)
+        _res4_keys(_np(ent, torch.int64), _np(owner, torch.int64), _arr(k_rows, torch.Tensor.numpy), code_bytes_k,
+                   self.cfg.code_bits_k_at(layer), kraw, kperm, _arr(win_k, torch.Tensor.numpy), _arr(win_ks, _u16), out)
+        return torch.from_numpy(out)
 
     def prepared(self, layer: int):
         """(keys, values) :func:`prepare` output of ``layer`` (for :class:`DecodeTables`)."""

@@ -209,7 +209,7 @@ class TaSQAttnBackend(AttentionBackend):
         if not bool((ent[valid] > 0).all()):
             raise RuntimeError("tasq: a window key of the salient echo has no exact entry")
         cos, sin = self._cos_sin(int(S.max()), dev)
-        k = rotate(pool.exact.read_k(lid, ent.flatten()), cos[pos.flatten()], sin[pos.flatten()]).view(B, -1, H, d)
+        k = rotate(pool.exact_keys(lid, ent.flatten()), cos[pos.flatten()], sin[pos.flatten()]).view(B, -1, H, d)
         logits = torch.einsum("bhgd,bwhd->bhgw", q3.float().view(B, H, Hq // H, d) * layer.scaling, k)
         p = torch.softmax(logits.masked_fill(~valid[:, None, None], float("-inf")), -1)
         lo, hi = sal.echo_span(sink)
@@ -233,7 +233,7 @@ class TaSQAttnBackend(AttentionBackend):
             if not bool((ent > 0).all()):
                 raise RuntimeError(f"tasq: request row {row}: a window key of the salient echo has no exact entry")
             cos, sin = self._cos_sin(S, q3.device)
-            k = rotate(pool.exact.read_k(lid, ent), cos[cols], sin[cols])
+            k = rotate(pool.exact_keys(lid, ent), cos[cols], sin[cols])
             qpos = torch.arange(P, S, device=q3.device)
             echo = sal.query_echo(q3[start:start + Tq], k, qpos, cols, sink, recent, layer.scaling)
             pool.record_echo(layer.layer_id, loc[start:start + Tq], echo)

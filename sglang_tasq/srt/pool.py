@@ -447,6 +447,17 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             v_codes = self._unpack(self.v_buffer[lid][slots], H * self.gv, cfg.code_bits_v).view(S, H, self.gv)
         return self._decode(k_codes, scale, v_codes, layer_id)
 
+    def exact_keys(self, lid: int, ent: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [n, H, d] f32 of exact entries ``ent`` of local layer ``lid``
+        (``ExactStore.read_k``); a res4 store's on the CPU kernels in one Numba call (its slots'
+        codes read and completed, bit for bit the store's reading: what the salient echo reads
+        every step)."""
+        ex = self.exact
+        if ex.fmt != "res4" or self._encoder is None or not self._np or ent.device.type != "cpu":
+            return ex.read_k(lid, ent)
+        return self._encoder.res4_keys(lid + self.start_layer, ent, ex.owner, self._np["k"][lid],
+                                       self.code_bytes_k_of[lid], self._np["wk"][lid], self._np["wks"][lid])
+
     def read_exact(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use: torch.Tensor) -> None:
         """Overwrite k, v [S, H, d] (pre-RoPE) with the exact entries of ``slots`` where ``use`` [S];
         every used slot must hold an entry (checked: nothing the rule says is exact is read from codes)."""

@@ -251,7 +251,8 @@ def test_res4_store_completes_the_codes_it_just_wrote(T):
     tokens, the batched kernels above) holds, for each in-window token, what
     :func:`salient.res4_encode` makes of its pre-RoPE key and value over what that token's codes
     read as (``pool.read_codes``, the reference decode), bit for bit; the plain-torch pool holds
-    the same wherever the two wrote the same codes (they differ only on a float near-tie)."""
+    the same wherever the two wrote the same codes (they differ only on a float near-tie); the
+    salient echo's Numba reader of those entries (``pool.exact_keys``) reads what the store reads."""
     import types
 
     from sglang_tasq.rope import apply_rope
@@ -287,6 +288,10 @@ def test_res4_store_completes_the_codes_it_just_wrote(T):
     for name in ("k", "v", "k_scale", "v_scale"):
         assert torch.equal(getattr(pool.exact, name)[1][ent[same]], getattr(ref.exact, name)[1][ent[same]])
     assert bool((pool.exact.k[1][ent] != 0x88).any())  # residuals, not all zero steps
+    # the echo's reader (one Numba call on the CPU kernels) returns the store's reading, bit for bit
+    mixed = torch.cat([ent.flip(0), ent[:3]])
+    assert torch.equal(pool.exact_keys(1, mixed), pool.exact.read_k(1, mixed))
+    assert torch.equal(ref.exact_keys(1, mixed), ref.exact.read_k(1, mixed))  # (torch pool: the store's own)
 
 def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
     """A decode step's few tokens go through one call (``_encode_small``): the same

@@ -48,3 +48,25 @@ def test_markdown_table_names_bandwidth_and_rows():
                      "bf16_gb_s": 1.0, "bf16_bw_share": 0.05}]}
     md = cpu_step.to_markdown(out, 5)
     assert "20.0 GB/s" in md and "| 1 x 1024 | 10.0 | 20.0 | 0.5x | 50.0 (40.0) | 20.0 | 5.0 (25%) | 1.0 (5%) |" in md
+
+
+def test_also_artifacts_prefill_through_the_backend_with_salient_tokens():
+    """An ``--also`` artifact with salient tokens and res4 copies: its prompt goes through the
+    backend's extend forward, so the step reads kept blocks (decided at the deciding layer) as
+    well as the windows, and the decode steps run; the table names it against TaSQ."""
+    cfg = TaSQConfig(codebook_size_k=64, codebook_size_v=64, sink_window=4, recent_window=64, salient_budget=4,
+                     salient_block=16, salient_layer=2, salient_after=4, exact_format="res4")
+    art = types.SimpleNamespace(codebooks=random_codebooks(cpu_step.L, cpu_step.H, cpu_step.D, cfg, seed=2), config=cfg)
+    step = cpu_step._tasq_setup(art, 2, 160, True, through_backend=True)
+    pool = step.backend.pool
+    kept = int((pool.exact.kept > 0).sum())
+    assert kept >= 2 * 4 * 3  # 2 requests, >= 3 decided blocks of 16 (4 kept each) before the recent window
+    step()
+    step()
+    out = {"hardware": {"cpu": "X", "cores": 2}, "torch_threads": 2, "artifact": "a/tasq.json", "read_bandwidth_gb_s": 20.0,
+           "also": {"salient_res4": "b/tasq.json"},
+           "rows": [{"batch": 1, "ctx": 1024, "tasq": {"median_ms": 10.0}, "bf16": {"median_ms": 20.0}, "tasq_vs_bf16": 0.5,
+                     "bytes": {"tasq": 5e7, "tasq_codebooks": 4e7, "bf16": 2e7}, "tasq_gb_s": 5.0, "tasq_bw_share": 0.25,
+                     "bf16_gb_s": 1.0, "bf16_bw_share": 0.05, "salient_res4": {"median_ms": 12.0}, "salient_res4_vs_tasq": 1.2}]}
+    md = cpu_step.to_markdown(out, 5)
+    assert "`salient_res4` = b/tasq.json" in md and "| 1 x 1024 | 10.0 | 12.0 (1.2x) |" in md

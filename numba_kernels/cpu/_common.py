@@ -161,6 +161,17 @@ def _fp8_store_row(src, t, dst, r, wi, sdst):
 
 
 
+@njit(cache=True, inline="always")
+def _key_reading(kcb, kperm, h, codes, row, first, s, out):
+    """out[h] [d] = head h's key codes ``codes[row, first:first + Gk]`` as the reference decode
+    reads them: the un-tailored codeword ``kcb[h, j, z]`` times the head's scale ``s``, element l
+    at its native channel ``kperm[h, j * gk + l]`` (what a res4 entry completes)."""
+    Gk, gk = kcb.shape[1], kcb.shape[3]
+    for j in range(Gk):
+        z = codes[row, first + j]
+        for l in range(gk):
+            out[h, kperm[h, j * gk + l]] = kcb[h, j, z, l] * s
+
 @njit(cache=True)
 def _res4_store_row(src, t, coded, dst, r, wi, sdst):
     """The residual src[t] - coded [H, d] f32 -> 4-bit steps at dst[r, wi] [H, d / 2] (two a

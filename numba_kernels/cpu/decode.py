@@ -17,7 +17,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import _BIG, _bf16_bits_to_f32, _copy4, _copy8, _f32_from_bits, _half_bits_to_f32, _prefetch
+from ._common import _BIG, _bf16_bits_to_f32, _copy4, _copy8, _f32_from_bits, _half_bits_to_f32, _key_reading, _prefetch
 from .bitpack import _codes_row
 
 
@@ -356,7 +356,7 @@ def _res4_keys(ent, owner, kbuf, code_bytes_k, bits_k, kcb, kperm, win_k, win_ks
     [E + 1, 1, H, d / 2] nibbles, ``win_ks`` [E + 1, H] fp16 bits): ``ExactStore.read_k`` of a res4
     store (:func:`sglang_tasq.salient.res4_decode` over ``pool.read_codes``), bit for bit. Without
     fastmath: the products and sums round as torch's."""
-    H, Gk, _, gk = kcb.shape
+    H, Gk = kcb.shape[0], kcb.shape[1]
     n_scales = (kbuf.shape[1] - code_bytes_k) // 2
     hps = H // n_scales if n_scales > 0 else 1
     half = win_k.shape[3]
@@ -370,9 +370,7 @@ def _res4_keys(ent, owner, kbuf, code_bytes_k, bits_k, kcb, kperm, win_k, win_ks
                 o = code_bytes_k + 2 * (h // hps)
                 s = _half_bits_to_f32(np.uint16(kbuf[slot, o]) | (np.uint16(kbuf[slot, o + 1]) << 8))
             _codes_row(kbuf, slot, h * Gk, Gk, bits_k, z, 0)
-            for j in range(Gk):
-                for l in range(gk):
-                    out[i, h, kperm[h, j * gk + l]] = kcb[h, j, z[0, j], l] * s
+            _key_reading(kcb, kperm, h, z, 0, 0, s, out[i])
             sc = _half_bits_to_f32(win_ks[e, h])
             for c in range(half):
                 b = np.int32(win_k[e, 0, h, c])

@@ -12,8 +12,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import (_f32_to_bf16_bits, _f32_to_half_bits, _fp8_store_row, _half_bits_to_f32, _res4_store_row,
-                      njit_variants)
+from ._common import (_f32_to_bf16_bits, _f32_to_half_bits, _fp8_store_row, _half_bits_to_f32, _key_reading,
+                      _res4_store_row, njit_variants)
 from .bitpack import _pack_row
 from .search import _nearest_row
 
@@ -96,7 +96,7 @@ def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc
         _pack_row(vcodes, t, nv, bits_v, vbuf, slot, vbuf.shape[1])
         r = wring[t]
         if r > 0 and wfmt == 2:
-            Gk, gk = kcb.shape[1], kcb.shape[3]
+            Gk = kcb.shape[1]
             Gv, gv = vcb.shape[1], vcb.shape[3]
             ck = np.empty((H, d), np.float32)
             cv = np.empty((H, d), np.float32)
@@ -104,10 +104,7 @@ def _write_rows_py(kcodes, scale_bits, vcodes, bits_k, bits_v, code_bytes_k, loc
                 s = np.float32(1.0)
                 if Hs > 0:
                     s = _half_bits_to_f32(scale_bits[t, h // (H // Hs)])
-                for j in range(Gk):
-                    z = kcodes[t, h * Gk + j]
-                    for l in range(gk):
-                        ck[h, kperm[h, j * gk + l]] = kcb[h, j, z, l] * s
+                _key_reading(kcb, kperm, h, kcodes, t, h * Gk, s, ck)
                 for j in range(Gv):
                     z = vcodes[t, h * Gv + j]
                     for l in range(gv):

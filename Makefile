@@ -8,11 +8,11 @@ export OMP_WAIT_POLICY ?= PASSIVE
 setup:
 	bash scripts/setup.sh
 
-# Everything (what CI runs: .ci/run). 35-49 min on 2 cores (README: "Two commands"), plus a one-time ~10 min calibration.
+# Everything (what CI runs: .ci/run). 35-53 min on 2 cores (README: "Two commands"), plus a one-time ~10 min calibration.
 test: setup
 	$(PY) -m pytest -q
 
-# The edit loop: no engine, server, real model or calibration (-m "not slow"; ~3 min on 2 cores).
+# The edit loop: no engine, server, real model or calibration (-m "not slow"; 4-9 min on 2 cores).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 

@@ -335,8 +335,7 @@ class PoolEncoder:
         if wring is not None and (fmt != "bf16") != (win_scales is not None):
             raise ValueError(f"{fmt} window entries with{'out' if win_scales is None else ''} scales: "
                              f"bf16 takes none, fp8 and res4 their (key, value) scales")
-        scaled = fmt != "bf16" and wring is not None  # uint8 entries with fp16 scales: fp8 or res4
-        wfmt = {"bf16": 0, "fp8": 1, "res4": 2}[fmt] if wring is not None else 0
+        wfmt = {"bf16": 0, "fp8": 1, "res4": 2}[fmt] if wring is not None else 0  # 1, 2: uint8 entries + scales
         kraw = vraw = _NO_BOOK
         if wfmt == 2:
             if d % 2:
@@ -346,7 +345,7 @@ class PoolEncoder:
         if wring is None:
             wr, wi = np.zeros(T, np.int64), np.zeros(T, np.int64)
             wk = wv = _NO_RING[0]
-        elif scaled:
+        elif wfmt:
             wr, wi = _np(wring, torch.int64), _np(widx, torch.int64)
             wk, wv = _arr(win_k, torch.Tensor.numpy), _arr(win_v, torch.Tensor.numpy)
             wks, wvs = (_arr(t, _u16) for t in win_scales)

@@ -160,7 +160,6 @@ def _fp8_store_row(src, t, dst, r, wi, sdst):
             dst[r, wi, h, c] = _f32_to_fp8_bits(y)
 
 
-
 @njit(cache=True, inline="always")
 def _key_reading(kcb, kperm, h, codes, row, first, s, out):
     """out[h] [d] = head h's key codes ``codes[row, first:first + Gk]`` as the reference decode
@@ -171,6 +170,7 @@ def _key_reading(kcb, kperm, h, codes, row, first, s, out):
         z = codes[row, first + j]
         for l in range(gk):
             out[h, kperm[h, j * gk + l]] = kcb[h, j, z, l] * s
+
 
 @njit(cache=True)
 def _res4_store_row(src, t, coded, dst, r, wi, sdst):

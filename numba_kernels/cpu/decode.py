@@ -285,21 +285,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         vt = np.empty(d, np.float32)
         for i in range(nt):
             widx = wid[i]
-            if widx >= 0 and res4:  # the value row's codewords plus the residual
-                if gv == 8:
-                    for j in range(Gv):
-                        _copy8(vt, (j * 8,), vcb, (h, j, zv[i, j], 0))
-                else:
-                    for j in range(Gv):
-                        z = zv[i, j]
-                        for l in range(gv):
-                            vt[j * gv + l] = vcb[h, j, z, l]
-                s8 = _half_bits_to_f32(win_vs[widx, h])
-                for c in range(d // 2):
-                    bt = win_v[widx, 0, h, c]
-                    vt[2 * c] += fp8_lut[bt & 15] * s8
-                    vt[2 * c + 1] += fp8_lut[bt >> 4] * s8
-            elif widx >= 0:
+            if widx >= 0 and not res4:
                 if fp8:
                     s8 = _half_bits_to_f32(win_vs[widx, h])
                     for c in range(d):
@@ -316,6 +302,12 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                         z = zv[i, j]
                         for l in range(gv):
                             vt[j * gv + l] = vcb[h, j, z, l]
+                if widx >= 0:  # a res4 entry: the codewords plus the residual
+                    s8 = _half_bits_to_f32(win_vs[widx, h])
+                    for c in range(d // 2):
+                        bt = win_v[widx, 0, h, c]
+                        vt[2 * c] += fp8_lut[bt & 15] * s8
+                        vt[2 * c + 1] += fp8_lut[bt >> 4] * s8
             for r in range(rep):
                 p = logits[r, i]
                 for c in range(d):

@@ -138,6 +138,18 @@ def _f32_to_fp8_bits(y):
 
 
 @njit(cache=True)
+def _store_scale(absmax, top, sdst, r, h):
+    """An exact entry's fp16 scale of one head, absmax / top (>= 2^-24), stored as bits at
+    sdst[r, h]; returns it as float32 (what the row is divided by). Without fastmath: the
+    division rounds as torch's."""
+    sc = absmax / top
+    if sc < np.float32(2.0 ** -24):
+        sc = np.float32(2.0 ** -24)
+    sb = _f32_to_half_bits(sc)
+    sdst[r, h] = sb
+    return _half_bits_to_f32(sb)
+
+@njit(cache=True)
 def _fp8_store_row(src, t, dst, r, wi, sdst):
     """src[t] [H, d] f32 -> fp8 e4m3 codes at dst[r, wi] [H, d] and one fp16 scale (absmax / 448,
     >= 2^-24) per head at sdst[r] [H] (bits): :func:`sglang_tasq.salient.fp8_encode`, bit for bit.
@@ -148,12 +160,7 @@ def _fp8_store_row(src, t, dst, r, wi, sdst):
         a = np.float32(0.0)
         for c in range(d):
             a = max(a, abs(src[t, h, c]))
-        sc = a / np.float32(448.0)
-        if sc < np.float32(2.0 ** -24):
-            sc = np.float32(2.0 ** -24)
-        sb = _f32_to_half_bits(sc)
-        sdst[r, h] = sb
-        sf = _half_bits_to_f32(sb)
+        sf = _store_scale(a, np.float32(448.0), sdst, r, h)
         for c in range(d):
             y = src[t, h, c] / sf
             y = min(max(y, np.float32(-448.0)), np.float32(448.0))
@@ -184,12 +191,7 @@ def _res4_store_row(src, t, coded, dst, r, wi, sdst):
         a = np.float32(0.0)
         for c in range(d):
             a = max(a, abs(src[t, h, c] - coded[h, c]))
-        sc = a / np.float32(7.0)
-        if sc < np.float32(2.0 ** -24):
-            sc = np.float32(2.0 ** -24)
-        sb = _f32_to_half_bits(sc)
-        sdst[r, h] = sb
-        sf = _half_bits_to_f32(sb)
+        sf = _store_scale(a, np.float32(7.0), sdst, r, h)
         for c in range(d):
             y = (src[t, h, c] - coded[h, c]) / sf
             f = np.float32(math.floor(y))

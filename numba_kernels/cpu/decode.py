@@ -68,7 +68,8 @@ def _exp_le0(x):
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
                       scale_mode, cos_t, sin_t, composed, entry_of, kept, win_k, win_v, win_ks, win_vs, fp8_lut,
-                      sink, recent, sm_scale, chunk, nsplit, part_m, part_l, part_o, out):
+                      sink, recent, sm_scale, chunk, nsplit, part_m, part_l, part_o, out,
+                      echo_lo, echo_hi, part_wm, part_wl, part_wn, echo_miss, echo):
     """One (request, KV head, token split) per parallel item (split-K: a request's tokens in
     ranges of ``chunk`` positions, ``nsplit`` slots for the longest request; a split past a
     request's end is empty), so a batch of one still fills every thread, and a request's
@@ -100,7 +101,16 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
     vectorized path) plus the residual, two nibbles a byte (channel ``2i`` low; ``win_k``/``win_v``
     [E + 1, 1, H, d / 2]) times the entry's scale (:func:`sglang_tasq.salient.res4_encode`), whose
     logit is added in native pair order (q . R_t (codes + residual) = q . R_t codes + q . R_t residual). The key row's scales follow its codes: head h reads scale ``h // (H / n_scales)``.
-    fastmath: sums are reassociated (vectorized)."""
+    fastmath: sums are reassociated (vectorized).
+
+    Salient echo (``echo`` [B, H], empty: off): each request's window echo
+    (:func:`sglang_tasq.salient.query_echo` of its query at ``S - 1``), from the logits this
+    kernel computes anyway: each query head's softmax over the window positions only (``t <
+    sink``, then ``max(sink, S - recent) <= t < S``; kept slots outside are not part of it),
+    its mass on ``echo_lo <= t < echo_hi``, summed over the GQA group. Per split: the window's
+    max logit, exp-sum and span sum (``part_wm/part_wl/part_wn``), merged as the output is; a
+    window position without an exact entry (read from codes) is counted in ``echo_miss``
+    [items] (the caller refuses it)."""
     B, Hq, d = q.shape
     H, Gk, _, gk = kcb.shape
     Gv, gv = vcb.shape[1], vcb.shape[3]
@@ -270,6 +280,35 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
                         for p in range(P):
                             acc += cos_t[t, p] * (na_[r, p] * ka[p] + nb_[r, p] * kb_[p]) + sin_t[t, p] * (nb_[r, p] * ka[p] - na_[r, p] * kb_[p])
                         logits[r, i] += acc * sm_scale
+        if echo.shape[0] > 0:  # the window's softmax (before the logits turn into exps below)
+            a1 = max(0, min(nt, sink - t_lo))  # [0, a1): sink positions; [a2, nt): the recent window past the sink
+            a2 = min(nt, max(0, max(sink, S - recent) - t_lo))
+            miss = 0
+            for i in range(a1):
+                if wid[i] < 0:
+                    miss += 1
+            for i in range(a2, nt):
+                if wid[i] < 0:
+                    miss += 1
+            echo_miss[item] = miss
+            for r in range(rep):
+                mw = -_BIG
+                for i in range(a1):
+                    mw = max(mw, logits[r, i])
+                for i in range(a2, nt):
+                    mw = max(mw, logits[r, i])
+                lw = np.float32(0.0)
+                nw = np.float32(0.0)
+                for i in range(a1):
+                    e = _exp_le0(logits[r, i] - mw)
+                    lw += e
+                    if t_lo + i >= echo_lo and t_lo + i < echo_hi:
+                        nw += e
+                for i in range(a2, nt):
+                    lw += _exp_le0(logits[r, i] - mw)
+                part_wm[item, r] = mw
+                part_wl[item, r] = lw
+                part_wn[item, r] = nw
         for r in range(rep):
             m = -_BIG
             for i in range(nt):
@@ -337,6 +376,24 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
             inv = np.float32(1.0) / tot if tot > 0 else np.float32(0.0)
             for c in range(d):
                 out[b, h * rep + r, c] = o[c] * inv
+        if echo.shape[0] > 0:  # the window echo: the splits' window softmax merged, summed over the group
+            ech = np.float32(0.0)
+            for r in range(rep):
+                mx = -_BIG
+                for sp in range(nsplit):
+                    if part_wl[bh * nsplit + sp, r] > 0:
+                        mx = max(mx, part_wm[bh * nsplit + sp, r])
+                lw = np.float32(0.0)
+                nw = np.float32(0.0)
+                for sp in range(nsplit):
+                    it = bh * nsplit + sp
+                    if part_wl[it, r] > 0:
+                        w = np.float32(math.exp(part_wm[it, r] - mx))
+                        lw += w * part_wl[it, r]
+                        nw += w * part_wn[it, r]
+                if lw > 0:
+                    ech += nw / lw
+            echo[b, h] = ech
 
 
 @njit(cache=True, nogil=True)

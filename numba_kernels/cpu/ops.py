@@ -19,6 +19,8 @@ from .search import _ARGMIN_CHUNK, _search, prepare
 _NO_KEPT = np.zeros(0, np.uint8)  # no kept slots (the window rule alone)
 _NO_SCALES = np.zeros((1, 1), np.uint16)  # bf16 exact entries: no per-entry scales
 _NO_LUT = np.zeros(0, np.float32)  # ... and no fp8 code table
+_NO_ECHO = np.zeros((0, 1), np.float32)  # no salient echo asked
+_NO_MISS = np.zeros(0, np.int64)
 _NO_BOOK = np.zeros((1, 1, 1, 1), np.float32)  # not a res4 write: no raw codebook to complete
 # float8_e4m3fn code -> its value (the fp8 exact store's entries are code x fp16 scale)
 FP8_LUT = FP8_VALUES.numpy()
@@ -140,11 +142,13 @@ class DecodePlan:
         self.part_m = np.empty((B * H * ns, rep), np.float32)
         self.part_l = np.empty((B * H * ns, rep), np.float32)
         self.part_o = np.empty((B * H * ns, rep, d), np.float32)
+        self._echo_parts = None  # the salient echo's per-split buffers, made on the first call that asks
         self.scale_mode = SCALE_MODE_ID[cfg.scale]
         self.composed = rope_composes(self.cos, self.sin, self.chunk, max_len)
 
     def __call__(self, q: torch.Tensor, k_rows, v_rows, tables: DecodeTables, sm_scale: float,
-                 win_k=None, win_v=None, kept=None, win_scales=None, win_format: str | None = None) -> torch.Tensor:
+                 win_k=None, win_v=None, kept=None, win_scales=None, win_format: str | None = None,
+                 echo_span: tuple[int, int] | None = None):
         """One layer: q [B, Hq, d] post-RoPE queries (request b at position ``S_b - 1``);
         k_rows [rows, Bk+Bs] and v_rows [rows, Bv] uint8 pool buffers; win_k/win_v [E + 1, 1, H, d]
         bfloat16 pre-RoPE exact entries (tensors, or their uint16 numpy views); kept: this
@@ -157,7 +161,12 @@ class DecodePlan:
         the store's ``exact_format`` ("bf16", "fp8" or "res4": win_k/win_v [E + 1, 1, H, d / 2]
         uint8 residual nibbles over each slot's codes, with win_scales); None: fp8 with
         win_scales, else bf16.
-        -> [B, Hq, d] f32."""
+        echo_span: [lo, hi) positions (:func:`sglang_tasq.salient.echo_span`): also each
+        request's salient window echo, from the same logits (:func:`sglang_tasq.salient.query_echo`
+        of its query: the softmax over the window positions only, its mass on [lo, hi), summed
+        over each KV head's query heads); needs the windows (an exact store), and every window
+        position must hold an entry (RuntimeError otherwise, as a window read from codes).
+        -> [B, Hq, d] f32, or with echo_span (that, echo [B, H] f32)."""
         fmt = win_format or ("fp8" if win_scales is not None else "bf16")
         if fmt not in WIN_FORMATS:
             raise ValueError(f"window entry format {fmt!r}: allowed {WIN_FORMATS}")
@@ -167,8 +176,10 @@ class DecodePlan:
         if tuple(q.shape) != (B, Hq, d):
             raise ValueError(f"decode plan: q has shape {tuple(q.shape)}, planned for {(B, Hq, d)}")
         out = np.empty((B, Hq, d), np.float32)
+        if echo_span is not None and (win_k is None or not self.entry_of.shape[0]):
+            raise ValueError("the salient echo reads the window entries: no exact store given")
         if not B:
-            return torch.from_numpy(out)
+            return torch.from_numpy(out) if echo_span is None else (torch.from_numpy(out), torch.zeros(0, H))
         wks = wvs = _NO_SCALES
         lut = _NO_LUT
         if win_k is None or not self.entry_of.shape[0]:
@@ -197,13 +208,28 @@ class DecodePlan:
         if self.code_bytes_k is not None and tables.code_bytes_k != self.code_bytes_k:
             raise ValueError(f"decode plan: planned for {self.code_bytes_k} key code bytes per row, the layer's "
                              f"tables have {tables.code_bytes_k}")
+        if echo_span is None:
+            lo = hi = 0
+            pw = (self.part_m, self.part_m, self.part_m, _NO_MISS)  # (not written)
+            echo = _NO_ECHO
+        else:
+            lo, hi = (int(x) for x in echo_span)
+            if self._echo_parts is None:
+                items = self.part_m.shape[0]
+                self._echo_parts = tuple(np.empty_like(self.part_m) for _ in range(3)) + (np.zeros(items, np.int64),)
+            pw = self._echo_parts
+            echo = np.empty((B, H), np.float32)
         _decode_attention(q.detach().float().contiguous().numpy(), _arr(k_rows, torch.Tensor.numpy),
                           _arr(v_rows, torch.Tensor.numpy), self.indptr, self.indices, tables.kcb, tables.kperm,
                           tables.kw, tables.vcb, tables.bits_k, cfg.code_bits_v, tables.code_bytes_k, self.scale_mode,
                           self.cos, self.sin, self.composed, self.entry_of, kp, wk, wv, wks, wvs, lut,
                           cfg.sink_window, cfg.recent_window, np.float32(sm_scale), self.chunk, self.nsplit,
-                          self.part_m, self.part_l, self.part_o, out)
-        return torch.from_numpy(out)
+                          self.part_m, self.part_l, self.part_o, out, lo, hi, *pw, echo)
+        if echo_span is None:
+            return torch.from_numpy(out)
+        if pw[3].any():
+            raise RuntimeError(f"tasq: {int(pw[3].sum())} window keys of the salient echo have no exact entry")
+        return torch.from_numpy(out), torch.from_numpy(echo)
 
     def _kept(self, kept) -> np.ndarray:
         """``kept`` as the kernel reads it: a uint8 numpy view (no copy) of a contiguous uint8 or

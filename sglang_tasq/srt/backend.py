@@ -139,13 +139,12 @@ class TaSQAttnBackend(AttentionBackend):
                 self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v, positions=md["positions"], req_rows=md["rows"],
                                         seq_lens=md["tok_seq_lens"], win_targets=md.get("win_targets"))
         H = layer.tp_k_head_num
-        self._salient_step(q3, layer, md)
         exact = not fb.forward_mode.is_decode() and k is not None and v is not None
+        if not exact and "kv_indices" in md:  # the decode kernel (salient echo fused into it)
+            return self._decode_step_cpu(q3, layer, md).to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
+        self._salient_step(q3, layer, md)
         k3 = k.reshape(-1, H, d) if exact else None
         v3 = v.reshape(-1, H, layer.v_head_dim) if exact else None
-        if not exact and "kv_indices" in md:
-            with prof.part("attention"):
-                return self._decode_cpu(q3, layer, md).to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
         out = torch.empty(q3.shape[0], Hq, layer.v_head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for row, S, Tq in zip(md["req_rows"], md["seq_lens"], md["q_lens"]):
@@ -289,9 +288,33 @@ class TaSQAttnBackend(AttentionBackend):
             k_dec[kept], v_dec[kept] = k_ex[kept], v_ex[kept]
         return k_dec, k_ex, v_dec, v_ex
 
-    def _decode_cpu(self, q3, layer, md) -> torch.Tensor:
+    def _decode_step_cpu(self, q3, layer, md) -> torch.Tensor:
+        """A decode step's layer through the Numba kernel. Salient tokens, a layer up to the
+        deciding one: the kernel also gives every request's window echo (from the logits it
+        computes anyway: :meth:`numba_kernels.cpu.DecodePlan.__call__`'s ``echo_span``, equal
+        to :meth:`_salient_echo_decode` up to float order); it is recorded and, at the deciding
+        layer, the blocks it completes decided after this layer's attention instead of before:
+        the same attention, since a block decided at a decode step lies inside that step's
+        recent window (:meth:`salient.SalientSpec.check_windows`: block + lookahead <= recent),
+        which every query reads exactly, kept or not."""
+        pool, prof = self.pool, self._profile
+        if pool.salient is None or layer.layer_id > pool.salient.layer:
+            with prof.part("attention"):
+                return self._decode_cpu(q3, layer, md)
+        from .. import salient as sal
+
+        with prof.part("attention"):
+            out, echo = self._decode_cpu(q3, layer, md, echo_span=sal.echo_span(pool.tasq_config.sink_window))
+        with prof.part("salient"):
+            pool.record_echo(layer.layer_id, md["out_loc"], echo)
+            if layer.layer_id == pool.salient.layer:
+                pool.decide_salient(md["req_rows"], md["prefix_lens"], md["seq_lens"])
+        return out
+
+    def _decode_cpu(self, q3, layer, md, echo_span=None):
         """Decode over the pool with the Numba kernel (``numba_kernels.cpu.DecodePlan``, built
-        once per forward and reused by every layer) -> [B, Hq, d] f32."""
+        once per forward and reused by every layer) -> [B, Hq, d] f32 (with ``echo_span``: and
+        the window echo [B, H])."""
         from numba_kernels import cpu
 
         pool, lid = self.pool, layer.layer_id - self.pool.start_layer
@@ -313,7 +336,7 @@ class TaSQAttnBackend(AttentionBackend):
             kept = pool.exact.kept if pool.reads_kept(layer.layer_id) else None
             scales = (npv["wks"][lid], npv["wvs"][lid]) if npv["wks"] is not None else None
             return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling, npv["wk"][lid], npv["wv"][lid],
-                        kept=kept, win_scales=scales, win_format=pool.exact.fmt)
+                        kept=kept, win_scales=scales, win_format=pool.exact.fmt, echo_span=echo_span)
         return plan(q3, npv["k"][lid], npv["v"][lid], tab, layer.scaling)
 
     def _cos_sin(self, n: int, device):

@@ -150,6 +150,27 @@ def test_kept_slots_are_the_reference_decision_whole_chunked_or_shared(fmt):
         assert torch.allclose(shared.out[(2, p)], whole.out[(2, p)], atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "res4"])
+def test_decode_steps_decide_blocks_as_the_reference(fmt):
+    """Blocks whose horizon a decode step reaches: decided from the echo the decode kernel gives
+    with its attention (recorded and decided after the deciding layer's attention) as from the
+    torch reader's echo (before it), and both as the plain-torch reference; the attention of
+    every step the same on both paths."""
+    data = _data(n=T + 30)
+    runs = []
+    for kernel in (True, False):
+        pool, r2t, be_k, be_t, cb = _setup(exact_format=fmt)
+        run = Runner(pool, r2t, be_k if kernel else be_t, r2t.alloc_rows(1)[0], list(range(1, 600)))
+        run.forward(60, data)
+        for _ in range(60):
+            run.forward(1, data, decode=True)
+        assert max(run.kept()) >= 60 + BLOCK  # blocks of decoded tokens were decided by decode steps
+        assert run.kept() == _reference_kept(cb, data, run.S, fmt)
+        runs.append(run)
+    for key, o in runs[0].out.items():
+        assert torch.allclose(o, runs[1].out[key], atol=1e-4), key
+
+
 def test_kept_tokens_change_what_the_deciding_layer_reads_and_nothing_before():
     """Against a pool without salient tokens: layers before the deciding one and queries before the
     first block's horizon are unchanged; past it, the deciding layer's outputs move."""
@@ -192,13 +213,19 @@ def test_salient_config_is_checked():
     assert TaSQConfig().salient_spec() is None
 
 
-@pytest.mark.parametrize("lens", [(T, 37), (5, 90), (1, 2)])
-def test_batched_decode_echo_equals_the_per_request_echo(lens):
+@pytest.mark.parametrize("lens,fmt", [((T, 37), "bf16"), ((5, 90), "bf16"), ((1, 2), "bf16"), ((T, 37), "fp8"),
+                                      ((T, 3), "res4")])
+def test_batched_decode_echo_equals_the_per_request_echo(lens, fmt):
     """A decode batch's window echo, all requests at once, equals salient.query_echo request by
-    request (short requests inside the sink, long ones past the window)."""
+    request (short requests inside the sink, long ones past the window); so does the echo the
+    decode kernel gives with its attention (``DecodePlan(echo_span=)``), with one split per
+    request or the windows spread over splits of 16 positions (the attention output then the
+    kernel's without the echo, bit for bit)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    pool, r2t, be_k, be_t, cb = _setup()
+    from numba_kernels import cpu
+
+    pool, r2t, be_k, be_t, cb = _setup(exact_format=fmt)
     data = _data()
     free = list(range(1, 600))
     rows = r2t.alloc_rows(2)
@@ -227,8 +254,20 @@ def test_batched_decode_echo_equals_the_per_request_echo(lens):
         batched = pool.echo_rows[loc, cols].clone()
         pool.echo_rows[loc, cols] = 0
         be_k._salient_echo_each(q3, layer, md)
-        assert torch.allclose(pool.echo_rows[loc, cols].float(), batched.float(), atol=1e-3, rtol=2e-3), (lid, lens)
+        each = pool.echo_rows[loc, cols].float()
+        assert torch.allclose(each, batched.float(), atol=1e-3, rtol=2e-3), (lid, lens)
         assert bool(batched.float().gt(0).all())
+        span = sal.echo_span(SINK)
+        for split in (None, 16):
+            md.pop("plan", None)
+            if split is not None:
+                cos, sin = be_k._cos_sin(max(md["seq_lens"]), "cpu")
+                md["plan"] = cpu.DecodePlan(md["kv_indptr"], md["kv_indices"], pool.tasq_config, pool.code_bytes_k, HQ,
+                                            H, D, cos.squeeze(1), sin.squeeze(1), pool.exact.entry_of, split)
+            plain = be_k._decode_cpu(q3, layer, md)
+            out, echo = be_k._decode_cpu(q3, layer, md, echo_span=span)
+            assert torch.equal(out, plain)
+            assert torch.allclose(echo.half().float(), each, atol=1e-3, rtol=2e-3), (lid, lens, split, echo, each)
 
 
 def test_the_tree_slots_adopt_a_recompute_s_kept_flags():

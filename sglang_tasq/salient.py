@@ -158,7 +158,9 @@ def query_echo(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, cols: torc
                scale: float, block: int = 256) -> torch.Tensor:
     """q [c, Hq, d] (post-RoPE queries at positions ``q_pos`` [c]), k [m, H, d] (the exact
     post-RoPE keys at positions ``cols`` [m]: at least each query's sink and recent window) ->
-    [c, H] :func:`window_echo` of each query (fp32 logits ``scale * q . k``; queries in blocks)."""
+    [c, H] :func:`window_echo` of each query (fp32 logits ``scale * q . k``; queries in blocks,
+    each against the columns some query of its block reads exactly: the sink and its recent
+    windows, not the whole prompt a one-chunk prefill passes)."""
     from .windows import query_window
 
     c, Hq, d = q.shape
@@ -168,10 +170,13 @@ def query_echo(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, cols: torc
     for a in range(0, c, block):
         b = min(c, a + block)
         qp = q_pos[a:b]
-        E = query_window(qp, cols, sink, recent) & (cols[None] <= qp[:, None])
+        lo, hi = int(qp.min()) + 1 - recent, int(qp.max())
+        use = (cols < sink) | ((cols >= lo) & (cols <= hi))
+        cb, kb = (cols, kh) if bool(use.all()) else (cols[use], kh[:, :, use])
+        E = query_window(qp, cb, sink, recent) & (cb[None] <= qp[:, None])
         qh = q[a:b].float().view(b - a, H, Hq // H, d).permute(1, 2, 0, 3).reshape(H, -1, d)  # [H, G*n, d]
-        S = torch.bmm(qh * scale, kh).view(H, Hq // H, b - a, -1)
-        out[a:b] = window_echo(S, E, cols, sink).T
+        S = torch.bmm(qh * scale, kb).view(H, Hq // H, b - a, -1)
+        out[a:b] = window_echo(S, E, cb, sink).T
     return out
 
 

@@ -249,6 +249,26 @@ def test_window_echo_reads_the_exact_keys_only():
             assert float(got[h, r]) == pytest.approx(tot, rel=1e-5)
 
 
+@pytest.mark.parametrize("P,S,block", [(0, 70, 16), (23, 61, 8), (0, 9, 4)])
+def test_query_echo_in_blocks_equals_window_echo_over_every_column(P, S, block):
+    """query_echo runs its queries in blocks, each against the columns some query of the block
+    reads exactly (the sink, its recent windows): the same as window_echo of all queries over
+    every column the extend passes (a one-chunk prompt: all of them)."""
+    from sglang_tasq.windows import query_window, window_columns
+
+    g = torch.Generator().manual_seed(9)
+    sink, recent = 4, 10
+    cols = window_columns(P, S, sink, recent)
+    q, k = torch.randn(S - P, 6, 8, generator=g), torch.randn(cols.numel(), 2, 8, generator=g)
+    qpos = torch.arange(P, S)
+    got = sal.query_echo(q, k, qpos, cols, sink, recent, 0.5, block=block)
+    qh = q.view(S - P, 2, 3, 8).permute(1, 2, 0, 3)  # [H, G, c, d]
+    scores = torch.einsum("hgcd,mhd->hgcm", qh, k) * 0.5
+    exact = query_window(qpos, cols, sink, recent) & (cols[None] <= qpos[:, None])
+    want = sal.window_echo(scores, exact, cols, sink).T
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def _brute_blocks(rows, upto, sink, spec):
     """Block k kept: its spec.budget best positions >= sink by the sum over rows of max over
     [p - after, p + before] of (s - running median of the 65 around it, edges replicated), read

@@ -6,7 +6,8 @@ fp16 scale per token and head, or as its codes plus a 4-bit residual) through a 
 warm (the second pass reads its prefix from the radix cache, kept slots included), and the HF
 ``TaSQCache`` on the same artifact (``model=``: it keeps the salient tokens itself), fed one token
 at a time so that every prompt query reads the per-query window rule the server reads, answers
-the same (on the first sample: ~130 s a sample). (bf16 copies: the same pool and backend code with the other store format, checked
+the same (res4 copies, the first sample: ~130 s a sample; fp8 copies in the HF cache are
+tests/unit/test_hf_salient.py's). (bf16 copies: the same pool and backend code with the other store format, checked
 against the same references in tests/kernels/test_salient_pool.py and test_cpu_pool.py; served
 NIAH in the README.)
 
@@ -95,13 +96,15 @@ def test_salient_tokens_served_as_the_decode_view(tmp_path, artifact, smollm2_di
     for s, w, g in zip(samples, want, got):
         assert RS.same_answer(w, g, s["outputs"]), (w, g)
     assert [a["text"] for a in warm] == got
+    assert sum(a["cached_tokens"] or 0 for a in warm) > 0  # the warm pass read prefixes from the radix cache
     from sglang_tasq.artifact import load_artifact
 
     codebooks = load_artifact(manifest).codebooks
     assert codebooks.config.exact_format == fmt  # the HF cache holds its copies as the server does
+    if fmt != "res4":  # fp8 copies in the HF cache: tests/unit/test_hf_salient.py (tiny Llama, token by token)
+        return
     # one sample: the cache fed a token at a time costs ~130 ms per token here (~130 s a sample)
     hf = [_hf_cache_answer(model, tok, codebooks, s, c) for s, c in zip(samples[:1], caps)]
     print({"hf cache": hf})
     for s, w, h in zip(samples, want, hf):
         assert RS.same_answer(w, h, s["outputs"]), (w, h)
-    assert sum(a["cached_tokens"] or 0 for a in warm) > 0  # the warm pass read prefixes from the radix cache

@@ -8,7 +8,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 setup:
 	bash scripts/setup.sh
 
-# Everything (what CI runs: .ci/run). ~30 min on 2 cores (README: "Two commands"), plus a one-time ~10 min calibration.
+# Everything (what CI runs: .ci/run). 25-30 min on 2 cores (README: "Two commands"), plus a one-time ~10 min calibration.
 test: setup
 	$(PY) -m pytest -q
 

@@ -65,6 +65,17 @@ def _exp_le0(x):
     return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+@njit(cache=True, inline="always")
+def _splits_max(part_m, part_l, first, nsplit, r):
+    """The largest max logit of query head r over the splits ``first .. first + nsplit - 1`` that
+    hold any weight (``part_l > 0``), -_BIG if none: where a split-K merge rescales from."""
+    mx = -_BIG
+    for sp in range(nsplit):
+        if part_l[first + sp, r] > 0:
+            mx = max(mx, part_m[first + sp, r])
+    return mx
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
 def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_k, bits_v, code_bytes_k,
                       scale_mode, cos_t, sin_t, composed, entry_of, kept, win_k, win_v, win_ks, win_vs, fp8_lut,
@@ -358,10 +369,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         b = bh // H
         h = bh - b * H
         for r in range(rep):
-            mx = -_BIG
-            for sp in range(nsplit):
-                if part_l[bh * nsplit + sp, r] > 0:
-                    mx = max(mx, part_m[bh * nsplit + sp, r])
+            mx = _splits_max(part_m, part_l, bh * nsplit, nsplit, r)
             tot = np.float32(0.0)
             o = np.empty(d, np.float32)  # (np.zeros outside a prange would be a parallel loop of its own)
             for c in range(d):
@@ -379,10 +387,7 @@ def _decode_attention(q, kbuf, vbuf, indptr, indices, kcb, kperm, kw, vcb, bits_
         if echo.shape[0] > 0:  # the window echo: the splits' window softmax merged, summed over the group
             ech = np.float32(0.0)
             for r in range(rep):
-                mx = -_BIG
-                for sp in range(nsplit):
-                    if part_wl[bh * nsplit + sp, r] > 0:
-                        mx = max(mx, part_wm[bh * nsplit + sp, r])
+                mx = _splits_max(part_wm, part_wl, bh * nsplit, nsplit, r)
                 lw = np.float32(0.0)
                 nw = np.float32(0.0)
                 for sp in range(nsplit):

@@ -22,9 +22,10 @@ encode into the pool, split-K kernels of ``numba_kernels.ops`` over a compact vi
 dispatched in :meth:`TaSQAttnBackend._forward`.
 
 Salient tokens (``config.salient_budget``; CPU and CUDA paths): at each layer up to the deciding one every
-new token's window echo is stored in its slot (:meth:`TaSQAttnBackend._salient_echo`); at the
-deciding layer, before its attention, the pool decides the blocks this forward completed
-(:meth:`pool.TaSQTokenToKVPool.decide_salient`); from that layer on every query reads kept slots
+new token's window echo is stored in its slot (:meth:`TaSQAttnBackend._salient_echo`; a CPU decode
+step takes it from the decode kernel, :meth:`TaSQAttnBackend._decode_step_cpu`); at the deciding
+layer, before its attention (after it on that decode path: the same attention), the pool decides
+the blocks this forward completed (:meth:`pool.TaSQTokenToKVPool.decide_salient`); from that layer on every query reads kept slots
 exactly (extend: their decoded keys replaced by the exact ones; decode: the kernel's or the
 torch reader's kept test).
 """

@@ -408,7 +408,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         self.echo_rows[loc, layer_id * H:(layer_id + 1) * H] = echo.to(torch.float16)
 
     def decide_salient(self, req_rows, prefix_lens, seq_lens) -> None:
-        """At the deciding layer, before its attention: for each request, decide the blocks whose
+        """At the deciding layer, before its attention (after it in a CPU decode step, whose decided
+        blocks lie inside its recent window): for each request, decide the blocks whose
         horizon this forward reached (:func:`salient.decide_blocks` over the echo rows of its
         slots) and mark the kept slots. A block's decision reads its prefix only, so any request
         holding the same prefix marks the same slots."""

@@ -166,13 +166,17 @@ class TaSQAttnBackend(AttentionBackend):
                                  before_attention=lambda: self._salient_step(q3, layer, md))
         return out.to(q.dtype).reshape(-1, Hq * layer.v_head_dim)
 
-    def _salient_step(self, q3, layer, md) -> None:
+    def _salient_step(self, q3, layer, md, echo=None) -> None:
         """Salient tokens, between the store and the attention: the new tokens' echo (layers up to
-        the deciding one) and, at the deciding layer, the decision of the blocks they complete."""
+        the deciding one; ``echo`` [T, H]: already computed, by the decode kernel) and, at the
+        deciding layer, the decision of the blocks they complete."""
         pool = self.pool
         if pool.salient is not None and layer.layer_id <= pool.salient.layer:
             with self._profile.part("salient"):
-                self._salient_echo(q3, layer, md)
+                if echo is None:
+                    self._salient_echo(q3, layer, md)
+                else:
+                    pool.record_echo(layer.layer_id, md["out_loc"], echo)
                 if layer.layer_id == pool.salient.layer:
                     pool.decide_salient(md["req_rows"], md["prefix_lens"], md["seq_lens"])
 
@@ -306,10 +310,7 @@ class TaSQAttnBackend(AttentionBackend):
 
         with prof.part("attention"):
             out, echo = self._decode_cpu(q3, layer, md, echo_span=sal.echo_span(pool.tasq_config.sink_window))
-        with prof.part("salient"):
-            pool.record_echo(layer.layer_id, md["out_loc"], echo)
-            if layer.layer_id == pool.salient.layer:
-                pool.decide_salient(md["req_rows"], md["prefix_lens"], md["seq_lens"])
+        self._salient_step(q3, layer, md, echo=echo)
         return out
 
     def _decode_cpu(self, q3, layer, md, echo_span=None):

@@ -237,10 +237,12 @@ class ExactStore:
         self.k[layer][ent], self.v[layer][ent] = kn, vn
         self.k_scale[layer][ent], self.v_scale[layer][ent] = ks, vs
 
-    def read(self, layer: int, ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pre-RoPE keys, values) [n, H, d] f32 of entries ``ent`` [n] of local layer ``layer``."""
+    def read(self, layer: int, ent: torch.Tensor, coded=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-RoPE keys, values) [n, H, d] f32 of entries ``ent`` [n] of local layer ``layer``.
+        ``coded``: (keys, values) [n, H, d], what the entries' slots' codes read as, when the
+        caller has them already (a res4 store completes those instead of decoding them again)."""
         if self.fmt == "res4":
-            kc, vc = self.coded(layer, self.owner[ent])
+            kc, vc = coded if coded is not None else self.coded(layer, self.owner[ent])
             return (self._read(self.k, self.k_scale, layer, ent, kc),
                     self._read(self.v, self.v_scale, layer, ent, vc))
         return self.read_k(layer, ent), self._read(self.v, self.v_scale, layer, ent)

@@ -282,7 +282,7 @@ class TaSQAttnBackend(AttentionBackend):
             need = (j < sink) | (j >= P + 1 - recent)
             if kept is not None:
                 need = need | kept[:P]
-            pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need)
+            pool.read_exact(layer.layer_id, slots[:P], k_ex[:P], v_ex[:P], need, coded=True)
         # the chunk's keys (and fp8 values) as the exact store keeps them (one rounding of the
         # pre-RoPE key): a window token reads the same whether this forward wrote it or an earlier
         # one (cold == warm)

@@ -459,16 +459,20 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         return self._encoder.res4_keys(lid + self.start_layer, ent, ex.owner, self._np["k"][lid],
                                        self.code_bytes_k_of[lid], self._np["wk"][lid], self._np["wks"][lid])
 
-    def read_exact(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use: torch.Tensor) -> None:
+    def read_exact(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use: torch.Tensor,
+                   coded: bool = False) -> None:
         """Overwrite k, v [S, H, d] (pre-RoPE) with the exact entries of ``slots`` where ``use`` [S];
-        every used slot must hold an entry (checked: nothing the rule says is exact is read from codes)."""
+        every used slot must hold an entry (checked: nothing the rule says is exact is read from codes).
+        ``coded``: k, v hold what the slots' codes read as (:meth:`read_codes`), which a res4 store
+        completes (its entries' slots are these: ``owner[entry_of[s]] == s``) instead of
+        decoding the codes again."""
         if self.exact is None or not bool(use.any()):
             return
         lid = layer_id - self.start_layer
         ent = self.exact.entry_of[slots[use]]
         if not bool((ent > 0).all()):
             raise RuntimeError(f"tasq: {int((ent == 0).sum())} window tokens have no full-precision entry")
-        k[use], v[use] = self.exact.read(lid, ent)
+        k[use], v[use] = self.exact.read(lid, ent, (k[use], v[use]) if coded else None)
 
     def read_request(self, layer_id: int, slots: torch.Tensor, req_row: int, seq_len: int):
         """One request's cache as a query at position ``seq_len - 1`` reads it: slots [S] (positions
@@ -478,7 +482,7 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
             pos = torch.arange(slots.shape[0], device=slots.device)
             use = self.in_window(pos, seq_len)
             kept = self.kept_of(layer_id, slots)
-            self.read_exact(layer_id, slots, k, v, use if kept is None else use | kept)
+            self.read_exact(layer_id, slots, k, v, use if kept is None else use | kept, coded=True)
         return k, v
 
     def _decode(self, k_codes, scale, v_codes, layer_id: int):

@@ -292,6 +292,15 @@ def test_res4_store_completes_the_codes_it_just_wrote(T):
     mixed = torch.cat([ent.flip(0), ent[:3]])
     assert torch.equal(pool.exact_keys(1, mixed), pool.exact.read_k(1, mixed))
     assert torch.equal(ref.exact_keys(1, mixed), ref.exact.read_k(1, mixed))  # (torch pool: the store's own)
+    # an extend's read over codes it has decoded already completes them: the store's own reading
+    kd, vd = pool.read_codes(1, loc)
+    use = inw.clone()
+    use[0] = False
+    kr, vr = kd.clone(), vd.clone()
+    pool.read_exact(1, loc, kr, vr, use, coded=True)
+    want_k, want_v = pool.exact.read(1, pool.exact.entry_of[loc[use]])
+    assert torch.equal(kr[use], want_k) and torch.equal(vr[use], want_v)
+    assert torch.equal(kr[~use], kd[~use]) and torch.equal(vr[~use], vd[~use])
 
 def test_pool_encoder_small_batches_match_the_batched_kernels_and_refuse_non_finite():
     """A decode step's few tokens go through one call (``_encode_small``): the same

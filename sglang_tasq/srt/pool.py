@@ -472,7 +472,8 @@ class TaSQTokenToKVPool(MHATokenToKVPool):
         ent = self.exact.entry_of[slots[use]]
         if not bool((ent > 0).all()):
             raise RuntimeError(f"tasq: {int((ent == 0).sum())} window tokens have no full-precision entry")
-        k[use], v[use] = self.exact.read(lid, ent, (k[use], v[use]) if coded else None)
+        given = coded and self.exact.fmt == "res4"  # (other formats read their entries alone)
+        k[use], v[use] = self.exact.read(lid, ent, (k[use], v[use]) if given else None)
 
     def read_request(self, layer_id: int, slots: torch.Tensor, req_row: int, seq_len: int):
         """One request's cache as a query at position ``seq_len - 1`` reads it: slots [S] (positions

@@ -40,12 +40,31 @@ def _pack(codes, bits, out):
         _pack_row(codes, t, n, bits, out, t, nbytes)
 
 
+@njit(cache=True, nogil=True)
+def _pack_serial(codes, bits, out):
+    """:func:`_pack` on the calling thread (a few rows: a parallel region's start costs more)."""
+    T, n = codes.shape
+    nbytes = out.shape[1]
+    for t in range(T):
+        _pack_row(codes, t, n, bits, out, t, nbytes)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _unpack(packed, n, bits, out):
     """Every row's n codes (:func:`_codes_row`: one unaligned 8-byte load per code where the
     row allows it)."""
     for t in prange(packed.shape[0]):
         _codes_row(packed, t, 0, n, bits, out, t)
+
+
+@njit(cache=True, nogil=True)
+def _unpack_serial(packed, n, bits, out):
+    """:func:`_unpack` on the calling thread."""
+    for t in range(packed.shape[0]):
+        _codes_row(packed, t, 0, n, bits, out, t)
+
+
+SERIAL_ROWS = 64  # up to this many rows (a decode step's token, a short chunk) run on the calling thread
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -57,7 +76,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"codes out of range for {bits}-bit packing")
     out = np.empty((T, packed_row_bytes(n, bits)), np.uint8)
     if T:
-        _pack(codes.detach().cpu().to(torch.int64).contiguous().numpy(), bits, out)
+        (_pack_serial if T <= SERIAL_ROWS else _pack)(codes.detach().cpu().to(torch.int64).contiguous().numpy(),
+                                                      bits, out)
     return torch.from_numpy(out)
 
 
@@ -68,7 +88,7 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
         raise ValueError(f"packed rows have {nbytes} bytes, {n} codes of {bits} bits need {packed_row_bytes(n, bits)}")
     out = np.empty((T, n), np.int64)
     if T:
-        _unpack(packed.detach().cpu().contiguous().numpy(), n, bits, out)
+        (_unpack_serial if T <= SERIAL_ROWS else _unpack)(packed.detach().cpu().contiguous().numpy(), n, bits, out)
     return torch.from_numpy(out)
 
 

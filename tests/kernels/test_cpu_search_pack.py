@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from numba_kernels import cpu
+from numba_kernels.cpu import bitpack
 from sglang_tasq import codec, packing
 
 
@@ -59,11 +60,12 @@ def test_nearest_nonfinite_input_and_empty():
 
 @pytest.mark.parametrize("bits", [1, 3, 6, 7, 8, 10, 12, 16, 17, 24])
 @pytest.mark.parametrize("n", [1, 5, 72])
-def test_pack_unpack_bit_exact(bits, n):
+@pytest.mark.parametrize("rows", [1, 19, bitpack.SERIAL_ROWS + 3])  # on the calling thread / in a parallel region
+def test_pack_unpack_bit_exact(bits, n, rows):
     gen = torch.Generator().manual_seed(bits * 100 + n)
-    codes = torch.randint(0, 1 << bits, (19, n), generator=gen)
+    codes = torch.randint(0, 1 << bits, (rows, n), generator=gen)
     codes[0] = (1 << bits) - 1  # the largest code everywhere
-    codes[1] = 0
+    codes[-1] = 0
     ref = packing.pack_codes(codes, bits)
     got = cpu.pack(codes, bits)
     assert torch.equal(got, ref)
@@ -104,7 +106,8 @@ def test_serial_and_parallel_variants_have_their_own_compiled_code():
     decode step's "serial" encode ran parallel regions). Each variant is its own function."""
     from numba_kernels.cpu import encode, search
 
-    pairs = [(search._nearest, search._nearest_serial), (encode._tailor_keys, encode._tailor_keys_serial),
+    pairs = [(search._nearest, search._nearest_serial), (bitpack._pack, bitpack._pack_serial),
+             (bitpack._unpack, bitpack._unpack_serial), (encode._tailor_keys, encode._tailor_keys_serial),
              (encode._write_rows, encode._write_rows_serial)]
     for par, ser in pairs:
         assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")

@@ -22,6 +22,8 @@ Modules (split the way the CUDA half of :mod:`numba_kernels` is):
   encoder's row writer), :func:`pack` / :func:`unpack`, ``_codes_row`` (the decode kernel's reader).
 - ``decode``: the split-K decode attention kernel and ``_window_entry`` (the Numba twin of
   ``sglang_tasq.windows.in_window``, or'd with a per-slot kept flag: salient tokens).
+- ``echo``: :func:`query_echo`, the salient window echo of a prefill chunk (each query over its
+  own sink and recent window only; twin of ``sglang_tasq.salient.query_echo``).
 - ``encode``: the fused pool encode kernels (key un-rotation and tailoring, row writer, the
   one-call decode-step encoder ``_encode_small``).
 - ``ops``: the host-side launch objects: :class:`DecodeTables`, :class:`DecodePlan`,
@@ -38,9 +40,10 @@ functions and ``numba_kernels.cpu.search`` / ``.bitpack`` the modules, unambiguo
 from ._common import _SERIAL_BELOW, set_threads  # noqa: F401  (_SERIAL_BELOW: tests)
 from .bitpack import _codes_row, pack, unpack  # noqa: F401  (_codes_row: tests)
 from .decode import _window_entry  # noqa: F401  (the window-rule twin: tests)
+from .echo import query_echo
 from .encode import _encode_small  # noqa: F401
 from .ops import SPLIT_TOKENS, DecodePlan, DecodeTables, PoolEncoder, decode_attention, rope_composes
 from .search import nearest, prepare
 
 __all__ = ["set_threads", "prepare", "nearest", "pack", "unpack", "SPLIT_TOKENS",
-           "DecodeTables", "DecodePlan", "decode_attention", "PoolEncoder", "rope_composes"]
+           "DecodeTables", "DecodePlan", "decode_attention", "PoolEncoder", "rope_composes", "query_echo"]

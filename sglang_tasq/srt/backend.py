@@ -222,10 +222,16 @@ class TaSQAttnBackend(AttentionBackend):
         pool.record_echo(layer.layer_id, md["out_loc"], echo)
 
     def _salient_echo_each(self, q3, layer, md) -> None:
-        """Request by request (extend chunks): :func:`salient.query_echo` of its new queries."""
+        """Request by request (extend chunks): :func:`salient.query_echo` of its new queries (on the
+        CPU kernels its Numba twin, ``numba_kernels.cpu.query_echo``: equal up to float order)."""
         from .. import salient as sal
 
         pool, cfg = self.pool, self.pool.tasq_config
+        echo_fn = sal.query_echo
+        if pool.cpu_kernels and q3.device.type == "cpu":
+            from numba_kernels import cpu
+
+            echo_fn = cpu.query_echo
         sink, recent = cfg.sink_window, cfg.recent_window
         lid = layer.layer_id - pool.start_layer
         loc = md["out_loc"]
@@ -239,7 +245,7 @@ class TaSQAttnBackend(AttentionBackend):
             cos, sin = self._cos_sin(S, q3.device)
             k = rotate(pool.exact_keys(lid, ent), cos[cols], sin[cols])
             qpos = torch.arange(P, S, device=q3.device)
-            echo = sal.query_echo(q3[start:start + Tq], k, qpos, cols, sink, recent, layer.scaling)
+            echo = echo_fn(q3[start:start + Tq], k, qpos, cols, sink, recent, layer.scaling)
             pool.record_echo(layer.layer_id, loc[start:start + Tq], echo)
             start += Tq
 

@@ -7,7 +7,8 @@ softmax over those keys alone and sums the probability of the prompt's head ``[l
 (:func:`sglang_tasq.salient.echo_span`) over the query heads of each KV head. The torch
 reference runs blocks of 256 queries against every column any of them reads (a masked
 [G * 256, ~576] matmul and softmax per KV head); here each query reads only its own
-``<= sink + recent`` keys, in one pass over them per query head, parallel over queries.
+``<= sink + recent`` keys, each key row once for the G query heads of its KV head, parallel over
+queries (~2x the torch echo on a 256-query chunk; most of the rest is the scalar ``exp``).
 """
 from __future__ import annotations
 

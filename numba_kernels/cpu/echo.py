@@ -40,8 +40,8 @@ def _query_echo(q, k, q_pos, cols, sink, recent, lo, hi, out):
     for i in prange(c):
         t = q_pos[i]
         n1 = _first_at_least(cols, min(sink, t + 1))  # [0, n1): the sink keys up to t
-        s0 = _first_at_least(cols, lo)  # [s0, min(n1, span end)): the prompt's head
-        s1 = min(n1, _first_at_least(cols, hi))
+        s1 = min(n1, _first_at_least(cols, hi))  # [s0, s1): the prompt's head, inside the sink keys
+        s0 = min(s1, _first_at_least(cols, lo))
         r0 = _first_at_least(cols, max(sink, t + 1 - recent))  # [r0, r1): the recent window up to t
         r1 = max(r0, _first_at_least(cols, t + 1))  # empty while t < sink
         n = n1 + (r1 - r0)

@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from sglang_tasq.packing import packed_row_bytes
 
-from ._common import _load_u64
+from ._common import _SERIAL_BELOW, _load_u64
 
 
 @njit(cache=True, inline="always")
@@ -64,9 +64,6 @@ def _unpack_serial(packed, n, bits, out):
         _codes_row(packed, t, 0, n, bits, out, t)
 
 
-SERIAL_ROWS = 64  # up to this many rows (a decode step's token, a short chunk) run on the calling thread
-
-
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [T, n] -> packed [T, ceil(n*bits/8)] uint8, == packing.pack_codes (range-checked)."""
     T, n = codes.shape
@@ -76,7 +73,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"codes out of range for {bits}-bit packing")
     out = np.empty((T, packed_row_bytes(n, bits)), np.uint8)
     if T:
-        (_pack_serial if T <= SERIAL_ROWS else _pack)(codes.detach().cpu().to(torch.int64).contiguous().numpy(),
+        (_pack_serial if T < _SERIAL_BELOW else _pack)(codes.detach().cpu().to(torch.int64).contiguous().numpy(),
                                                       bits, out)
     return torch.from_numpy(out)
 
@@ -88,7 +85,7 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
         raise ValueError(f"packed rows have {nbytes} bytes, {n} codes of {bits} bits need {packed_row_bytes(n, bits)}")
     out = np.empty((T, n), np.int64)
     if T:
-        (_unpack_serial if T <= SERIAL_ROWS else _unpack)(packed.detach().cpu().contiguous().numpy(), n, bits, out)
+        (_unpack_serial if T < _SERIAL_BELOW else _unpack)(packed.detach().cpu().contiguous().numpy(), n, bits, out)
     return torch.from_numpy(out)
 
 

@@ -60,7 +60,7 @@ def test_nearest_nonfinite_input_and_empty():
 
 @pytest.mark.parametrize("bits", [1, 3, 6, 7, 8, 10, 12, 16, 17, 24])
 @pytest.mark.parametrize("n", [1, 5, 72])
-@pytest.mark.parametrize("rows", [1, 19, bitpack.SERIAL_ROWS + 3])  # on the calling thread / in a parallel region
+@pytest.mark.parametrize("rows", [1, 19, cpu._SERIAL_BELOW + 3])  # on the calling thread / in a parallel region
 def test_pack_unpack_bit_exact(bits, n, rows):
     gen = torch.Generator().manual_seed(bits * 100 + n)
     codes = torch.randint(0, 1 << bits, (rows, n), generator=gen)

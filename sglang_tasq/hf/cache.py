@@ -446,11 +446,17 @@ class TaSQCache(QuantizedKVCache):
     same rule as the server: pass ``model=`` (the cache reads its queries), or ``salient=False``
     for the windows alone (an ablation, chosen by name: never a silent fallback). An artifact whose
     server holds its exact copies as fp8 or res4 (``config.exact_format``) has them held so here too
-    (``exact_format=`` overrides: None keeps the model's dtype)."""
+    (``exact_format=`` overrides: None keeps the model's dtype).
 
-    def __init__(self, codebooks: Codebooks, sink: int = 64, recent: int = 256, keys: bool = True,
+    ``sink`` / ``recent`` default to the artifact's windows (``config.sink_window`` /
+    ``recent_window``, set by ``calibrate serving --sink/--recent``), the ones its server keeps, so
+    that one artifact reads the same here and there; an int overrides."""
+
+    def __init__(self, codebooks: Codebooks, sink: int | None = None, recent: int | None = None, keys: bool = True,
                  values: bool = True, fresh_exact: bool = True, model: torch.nn.Module | None = None,
                  salient: bool | None = None, exact_format: str | None = "artifact"):
+        sink = codebooks.config.sink_window if sink is None else sink
+        recent = codebooks.config.recent_window if recent is None else recent
         spec = codebooks.config.salient_spec()
         if salient and spec is None:
             raise ValueError("tasq: salient=True but this artifact keeps no salient tokens (salient_budget 0)")

@@ -88,6 +88,22 @@ def test_windows_prefill_then_decode_steps(cb, sink, recent):
     assert cache.get_seq_length() == 30
 
 
+def test_windows_default_to_the_artifacts(cb):
+    """An artifact whose windows ``calibrate serving --sink/--recent`` set is read with those
+    windows, as its server keeps them; explicit ints override."""
+    served = random_codebooks(2, H, D, seed=1, config=TaSQConfig(codebook_size_k=64, codebook_size_v=64,
+                                                                 sink_window=3, recent_window=5))
+    k, v = _kv(30)
+    post, vv = _hf_rotate(k, cb.inv_freq), v.transpose(0, 1)[None]
+    cache = TaSQCache(served, fresh_exact=False)
+    assert (cache.sink, cache.recent) == (3, 5)
+    keys, vals = cache.update(post, vv, 0)
+    ek, ev = _expected(cb, k, v, 30, 3, 5)
+    assert torch.equal(keys[0].transpose(0, 1), ek) and torch.equal(vals[0].transpose(0, 1), ev)
+    assert (TaSQCache(served, sink=0, recent=7).sink, TaSQCache(served, sink=0, recent=7).recent) == (0, 7)
+    assert (TaSQCache(cb).sink, TaSQCache(cb).recent) == (64, 256)  # the config's defaults
+
+
 def test_fresh_exact_prefill_then_read_from_codes(cb):
     k, v = _kv(21)
     cache = TaSQCache(cb, sink=2, recent=4)  # fresh_exact=True: the inserting call sees fp

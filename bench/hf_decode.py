@@ -124,13 +124,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from sglang_tasq.models import dtype_name, resolve_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_tasq.models import compute_dtype, dtype_name, resolve_model
 
     from .perplexity import heldout_windows
     from .report import write_json
     from .serving_report import hardware
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from sglang_tasq.models import compute_dtype
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -61,31 +61,19 @@ def njit_variants(py_func, **options):
     return tuple(out)
 
 
-_POOL_STARTED = False
-
-
-def _start_pool_keeping_torch_threads() -> None:
-    """Start Numba's thread pool once, then give torch back its intra-op thread count. Numba's
-    OpenMP layer sets the process's OpenMP thread count to ``NUMBA_NUM_THREADS`` (the cores) when
-    it starts its pool, at the first parallel launch; torch shares that OpenMP runtime, so after a
-    model had run, ``torch.set_num_threads(1)`` silently became one thread per core (a 1-thread
-    process on a shared machine ran on every core from its first kernel on)."""
-    global _POOL_STARTED
-    if _POOL_STARTED:
-        return
-    n = torch.get_num_threads()
-    from numba.np.ufunc import parallel
-
-    parallel._launch_threads()
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    _POOL_STARTED = True
-
-
 def set_threads(n: int | None = None) -> None:
     """Use ``n`` (default: torch's intra-op thread count) threads in the parallel kernels; torch
-    keeps its own count (:func:`_start_pool_keeping_torch_threads`)."""
-    _start_pool_keeping_torch_threads()
+    keeps its own count. Numba's OpenMP layer sets the process's OpenMP thread count to
+    ``NUMBA_NUM_THREADS`` (the cores) when it starts its pool, at the first parallel launch; torch
+    shares that OpenMP runtime, so after a model had run, ``torch.set_num_threads(1)`` silently
+    became one thread per core. The pool is started here (a no-op once started) and torch given its
+    count back."""
+    from numba.np.ufunc import parallel
+
+    keep = torch.get_num_threads()
+    parallel._launch_threads()
+    if torch.get_num_threads() != keep:
+        torch.set_num_threads(keep)
     numba.set_num_threads(max(1, min(n or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
 

@@ -11,8 +11,14 @@ RAM free before loading, then ``max_total_num_tokens = budget // cell_size``
 window rings as fixed bytes). Free RAM moves on a shared host, so ``--kv-budget-mib B`` fixes
 B: every server gets the same ``--mem-fraction-static`` and ``--max-total-tokens (B - fixed) //
 cell``; the tokens and KV bytes each server got are read back from it (``--kv-budget-mib 0``:
-SGLang's own sizing). The radix cache is on, as a server runs by default (random-id prompts share no
-prefix, so it reuses nothing here).
+SGLang's own sizing). The radix cache is on, as a server runs by default, and flushed before every
+measured run (``sglang.benchmark.serving --flush-cache``: after its warm-up request, which sends
+the first prompt): the workload's prompts are the same at every concurrency level and round (seed
+1), so without the flush a run would read whole prompts from the cache, more of them the larger
+a server's pool (TaSQ's), and time cache hits instead of prefills. Each run records the prompt
+tokens the server prefilled and read from its cache (its log's "Prefill batch" lines after the
+flush), and the summary prints the share read from the cache (random-id prompts share no
+prefix: 0).
 
 Results: one folder per workload, ``bench/results/serving/<run>/`` (``--results ROOT`` moves
 the root, ``--out DIR`` names the folder itself), where ``<run>`` is a readable slug of the
@@ -34,6 +40,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -146,7 +153,7 @@ def bench_once(base: str, model_dir: Path, a, conc: int, out: Path) -> dict:
            "--model", str(model_dir), "--tokenizer", str(model_dir), "--dataset-name", "random-ids",
            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
            "--random-range-ratio", "1.0", "--num-prompts", str(max(a.num_prompts, conc)), "--max-concurrency", str(conc),
-           "--seed", "1", "--disable-tqdm", "--output-file", str(out)]
+           "--seed", "1", "--disable-tqdm", "--flush-cache", "--output-file", str(out)]
     peak, stop = {}, threading.Event()
     poller = threading.Thread(target=_poll_loads, args=(base, peak, stop), daemon=True)
     poller.start()
@@ -193,12 +200,32 @@ def start_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir:
                         **server_state(_get(base + "/get_server_info", timeout=60), _get(base + "/v1/loads", timeout=60)), "runs": {}}
 
 
+_PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
+
+
+def prefill_tokens(log: str) -> dict:
+    """Prompt tokens a server prefilled and read from its radix cache, summed over the
+    "Prefill batch" lines of (a stretch of) its log after its last "Cache flushed" line (the
+    measured run's, not its warm-up's)."""
+    new = cached = 0
+    for m in _PREFILL.finditer(log, log.rfind("Cache flushed") + 1):
+        new, cached = new + int(m.group(1)), cached + int(m.group(2))
+    return {"prefill_tokens": new, "cached_tokens": cached}
+
+
 def measure(name: str, base: str, model_dir: Path, a, conc: int, log_dir: Path) -> dict:
+    """One run of the workload at ``conc``, with the prompt tokens the server prefilled and read
+    from its cache in the measured run."""
     print(f"[serving] {name}: concurrency {conc}", flush=True)
+    log = log_dir / f"{name}.log"
     try:
-        return bench_once(base, model_dir, a, conc, log_dir / f"{name}_c{conc}.jsonl")
+        start = log.stat().st_size
+        res = bench_once(base, model_dir, a, conc, log_dir / f"{name}_c{conc}.jsonl")
     except (subprocess.SubprocessError, OSError, ValueError) as e:
         return {"error": str(e)[-300:]}
+    with open(log, "rb") as f:
+        f.seek(start)
+        return {**res, **prefill_tokens(f.read().decode(errors="replace"))}
 
 
 def run_server(name: str, model_dir: Path, a, max_tokens: int | None, log_dir: Path) -> dict:
@@ -250,7 +277,7 @@ def workload_key(a) -> dict:
     servers are up together; interleaved ones measure each server alone, so the server list is
     not part of their key (a later run adds servers to the same folder)."""
     key = {k: getattr(a, k) for k in KEY_FIELDS}
-    key.update(model=a.model, dataset=DATASET, artifact=artifact_id(a.tasq_config))
+    key.update(model=a.model, dataset=DATASET, artifact=artifact_id(a.tasq_config), radix_cache="flushed per run")
     if "tasq8" in a.servers:
         key.update(tasq8_artifact=artifact_id(a.tasq8_config))
     if "tasq_salient" in a.servers:

@@ -20,6 +20,14 @@ def paired_ratios(num: list, den: list) -> list:
     return [round(x / y, 3) if x and y else None for x, y in zip(num, den)]
 
 
+def cached_share(run: dict) -> float | None:
+    """Share of a run's prompt tokens the server read from its radix cache (None: not recorded)."""
+    new, cached = run.get("prefill_tokens"), run.get("cached_tokens")
+    if new is None or cached is None or new + cached == 0:
+        return None
+    return round(cached / (new + cached), 3)
+
+
 def merge_best(prev: dict | None, new: dict) -> dict:
     """Fold one more round of a server into its result: per concurrency the run with the higher
     output throughput (on a shared host the best of interleaved rounds is the least disturbed
@@ -68,6 +76,7 @@ def summarize(results: dict, workload: dict, hw: dict) -> dict:
             "throughput_tok_s": col("output_throughput"), "total_throughput_tok_s": col("total_throughput"),
             "ttft_ms": col("mean_ttft_ms"), "median_ttft_ms": col("median_ttft_ms"), "tpot_ms": col("mean_tpot_ms"),
             "server_peak": col("server_peak"), "rounds_tok_s": r.get("rounds_tok_s"),
+            "cached_share": {c: cached_share(v) for c, v in runs.items()},
             "errors": {c: v["error"] for c, v in r.get("runs", {}).items() if "error" in v}}
         tput = {c: v for c, v in servers[name]["throughput_tok_s"].items() if v}
         if tput:  # the paper's shape: each server's best output throughput over the concurrency sweep
@@ -117,14 +126,15 @@ def to_markdown(s: dict) -> str:
                      f"| {n} | {v['backend']} | {v['cell_bytes']} | {v['pool_tokens']} | {_f(v['kv_cache_gb'], 3)} | "
                      f"{v['max_concurrency']} | {v['server_max_running_requests']} |")
     lines += ["", "| server | concurrency | output tok/s | total tok/s | mean TTFT ms | median TTFT ms | TPOT ms | "
-              "peak running / waiting |", "|---|---|---|---|---|---|---|---|"]
+              "peak running / waiting | prompt tokens from the radix cache |", "|---|---|---|---|---|---|---|---|---|"]
     for n, v in s["servers"].items():
         for c in v.get("ttft_ms", {}):
             lines.append(f"| {n} | {c} | {_f(v['throughput_tok_s'][c], 2)} | {_f(v['total_throughput_tok_s'][c], 1)} | "
                          f"{_f(v['ttft_ms'][c])} | {_f(v['median_ttft_ms'][c])} | {_f(v['tpot_ms'][c])} | "
-                         f"{_f(v['server_peak'][c].get('num_running_reqs'))} / {_f(v['server_peak'][c].get('num_waiting_reqs'))} |")
+                         f"{_f(v['server_peak'][c].get('num_running_reqs'))} / {_f(v['server_peak'][c].get('num_waiting_reqs'))} | "
+                         f"{_f((v.get('cached_share') or {}).get(c), 3)} |")
         for c, e in v.get("errors", {}).items():
-            lines.append(f"| {n} | {c} | error: {e} | | | | | |")
+            lines.append(f"| {n} | {c} | error: {e} | | | | | | |")
     r = s.get("tasq_vs_bf16")
     if r:
         ratios = ", ".join(f"{v}x at {c}" for c, v in r.get("throughput_ratio", {}).items())

@@ -317,6 +317,18 @@ def test_main_reuses_only_results_of_its_own_workload(tmp_path, smol, artifact, 
     assert f"run folder {run_dir} (exists); to run: tasq" in capsys.readouterr().out
 
 
+def test_prefill_tokens_read_from_a_server_log():
+    log = ("[2026-12-07 16:01:02] Prefill batch, #new-seq: 1, #new-token: 1055, #cached-token: 0, token usage: 0.00, #running-req: 0\n"
+           "[2026-12-07 16:01:09] Decode batch, #running-req: 1, #token: 1088, token usage: 0.04\n"
+           "[2026-12-07 16:01:10] Prefill batch, #new-seq: 3, #new-token: 3, #cached-token: 3198, token usage: 0.04\n")
+    assert serving.prefill_tokens(log) == {"prefill_tokens": 1058, "cached_tokens": 3198}
+    assert serving.prefill_tokens("") == {"prefill_tokens": 0, "cached_tokens": 0}
+    flushed = log + "[2026-12-07 16:02:00] Cache flushed successfully!\n" + log.splitlines(keepends=True)[0]
+    assert serving.prefill_tokens(flushed) == {"prefill_tokens": 1055, "cached_tokens": 0}  # the measured run only
+    assert serving_report.cached_share({"prefill_tokens": 1058, "cached_tokens": 3198}) == 0.751
+    assert serving_report.cached_share({"output_throughput": 1.0}) is None
+
+
 # ---- RULER client --------------------------------------------------------------------------
 def test_ruler_scoring_with_real_scorer():
     samples = [{"task": "niah_single_1", "target": 1024, "outputs": ["1234567"]},
@@ -353,14 +365,18 @@ def test_ruler_samples_use_chat_template(smol):
 @pytest.mark.slow
 def test_bf16_server_budget_end_to_end(tmp_path, smol):
     """A bf16 server in a 16 MiB KV budget gets exactly 16 MiB // 23040 B token slots and serves;
-    the same invocation again reuses its result instead of launching."""
+    the second level resends the first's prompts, and prefills them again (the cache is flushed
+    per run); the same invocation again reuses its result instead of launching."""
     args = ["--servers", "bf16", "--input-len", "64", "--output-len", "4", "--num-prompts", "2",
-            "--concurrency", "2", "--kv-budget-mib", "16", "--results", str(tmp_path),
+            "--concurrency", "1", "2", "--kv-budget-mib", "16", "--results", str(tmp_path),
             "--start-timeout", "240", "--bench-timeout", "180"]
     assert serving.main(args) == 0
     run_dir = serving.plan(serving.parse_args(args))[0]
     s = json.loads((run_dir / "summary.json").read_text())["servers"]["bf16"]
     assert s["status"] == "ok" and s["pool_tokens"] == 16 * 2**20 // 23040 == s["budget_tokens"]
     assert s["throughput_tok_s"]["2"] > 0 and s["ttft_ms"]["2"] > 0
+    assert s["cached_share"] == {"1": 0.0, "2": 0.0}
+    raw = json.loads((run_dir / "bf16.json").read_text())["runs"]
+    assert all(raw[c]["prefill_tokens"] >= 2 * 64 for c in ("1", "2"))
     assert serving.main(args, launch=_no_launch) == 0
     assert json.loads((run_dir / "summary.json").read_text())["servers"]["bf16"] == s
